@@ -1,0 +1,60 @@
+"""Typed configuration of the transformer: every layer reads only this section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+    seq_length: int = 1024
+    max_position_embeddings: Optional[int] = None  # default seq_length
+    padded_vocab_size: int = 0  # set from the tokenizer by the trainer
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    init_method_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32  # dtype of the model's parameters (bf16/fp16 under mixed precision)
+    share_embeddings_and_output_weights: bool = True
+    sequence_parallel: bool = False
+    # activation recomputation: None | "selective" | "full"; method "uniform" | "block"
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    # kernels: "sdpa" (torch scaled_dot_product_attention) or "unfused" (explicit scale-mask-softmax)
+    attention_backend: str = "sdpa"
+    use_fused_kernels: bool = True  # fused element-wise kernels on CUDA; plain PyTorch elsewhere
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                f"({self.max_position_embeddings})"
+            )
+        if self.recompute_granularity not in (None, "selective", "full"):
+            raise ValueError(f"--recompute-granularity must be selective or full, got {self.recompute_granularity}")
+        if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+        if self.attention_backend not in ("sdpa", "unfused"):
+            raise ValueError(f"attention backend must be sdpa or unfused, got {self.attention_backend}")
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads

