@@ -1,0 +1,90 @@
+"""Self-attention with heads split across tensor-parallel ranks.
+
+QKV is one column-parallel GEMM whose output rows are laid out per head as ``[q k v]`` (Megatron-Core's
+``linear_qkv`` layout), so a contiguous split over TP ranks gives each rank whole heads. The output projection
+is row-parallel: its reduction (``g``) is the only communication in the forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.parallel_state import ParallelState
+from megatron.core.transformer.config import TransformerConfig
+
+
+def unfused_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Explicit scale -> upper-triangular causal mask (+ optional padding mask) -> softmax (fp32) -> dropout -> xV.
+
+    q, k, v: ``[b, n, s, d]``; ``padding_mask``: bool ``[b, 1, 1, s]`` (True = masked out). Returns ``[b, n, s, d]``.
+    """
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, n, s, s]
+    causal = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu_(1)
+    mask = causal if padding_mask is None else (causal | padding_mask)
+    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    return torch.matmul(probs, v)
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V with a causal mask; the part selective recomputation recomputes."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [s, b, n, d] -> context [s, b, n*d]
+        s, b, n, d = q.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        p = self.config.attention_dropout if self.training else 0.0
+        # Heads are split over TP ranks, so attention dropout draws from the per-TP-rank generator.
+        with tensor_parallel.get_rng_tracker().fork():
+            if self.config.attention_backend == "sdpa":
+                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            else:
+                ctx = unfused_causal_attention(q, k, v, p)
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, n*d]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: TransformerConfig, pstate: ParallelState):
+        super().__init__()
+        if config.num_attention_heads % pstate.tp_size != 0:
+            raise ValueError(
+                f"--num-attention-heads ({config.num_attention_heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({pstate.tp_size})"
+            )
+        self.config = config
+        self.heads_per_rank = config.num_attention_heads // pstate.tp_size
+        self.head_dim = config.kv_channels
+        h = config.hidden_size
+        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+            h, 3 * h, config=config, pstate=pstate, bias=True, gather_output=False
+        )
+        self.core_attention = CoreAttention(config)
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            h, h, config=config, pstate=pstate, bias=True, input_is_parallel=True, skip_bias_add=True
+        )
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def forward(self, hidden: torch.Tensor):
+        """hidden ``[s(/tp under SP), b, h]`` -> (output ``[s(/tp), b, h]``, projection bias)."""
+        qkv, _ = self.linear_qkv(hidden)  # [s, b, 3h/tp]
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.heads_per_rank, 3 * self.head_dim)  # per-head [q k v]
+        q, k, v = qkv.split(self.head_dim, dim=-1)  # each [s, b, n/tp, d]
+        if self.recompute_core and self.training:
+            ctx = tensor_parallel.checkpoint(self.core_attention, q, k, v)
+        else:
+            ctx = self.core_attention(q, k, v)  # [s, b, h/tp]
+        return self.linear_proj(ctx)

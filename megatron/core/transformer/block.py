@@ -1,0 +1,66 @@
+"""A stack of transformer layers (one pipeline stage's share) with full activation recomputation."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from megatron.core import tensor_parallel
+from megatron.core.parallel_state import ParallelState
+from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.layer import LayerNorm, TransformerLayer
+
+
+class TransformerBlock(nn.Module):
+    """``num_layers`` layers, plus the final LayerNorm when this is the last pipeline stage.
+
+    Full recomputation (``config.recompute_granularity == "full"``):
+    - ``uniform``: layers are grouped ``recompute_num_layers`` at a time and each group's input is the only
+      activation kept; the group is recomputed in backward.
+    - ``block``: the first ``recompute_num_layers`` layers of this stage are recomputed one by one; the rest keep
+      their activations (trade memory for time per stage).
+    """
+
+    def __init__(
+        self, config: TransformerConfig, pstate: ParallelState, num_layers: int, post_layer_norm: bool,
+        use_torch_compile: bool = False,
+    ):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList([TransformerLayer(config, pstate) for _ in range(num_layers)])
+        self.final_layernorm: Optional[LayerNorm] = LayerNorm(config) if post_layer_norm else None
+        self._layer_fns = [torch.compile(layer) if use_torch_compile else layer for layer in self.layers]
+        if config.recompute_granularity == "full":
+            n = config.recompute_num_layers or 1
+            if n < 1:
+                raise ValueError(f"--recompute-num-layers must be >= 1, got {n}")
+
+    def _run(self, start: int, end: int):
+        def fn(hidden: torch.Tensor) -> torch.Tensor:
+            for i in range(start, end):
+                hidden = self._layer_fns[i](hidden)
+            return hidden
+
+        return fn
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        n_layers = len(self.layers)
+        cfg = self.config
+        if cfg.recompute_granularity == "full" and self.training and n_layers > 0:
+            n = cfg.recompute_num_layers or 1
+            if cfg.recompute_method == "uniform":
+                for start in range(0, n_layers, n):
+                    hidden = tensor_parallel.checkpoint(self._run(start, min(start + n, n_layers)), hidden)
+            else:  # block
+                for i in range(n_layers):
+                    if i < n:
+                        hidden = tensor_parallel.checkpoint(self._run(i, i + 1), hidden)
+                    else:
+                        hidden = self._layer_fns[i](hidden)
+        else:
+            hidden = self._run(0, n_layers)(hidden)
+        if self.final_layernorm is not None:
+            hidden = self.final_layernorm(hidden)
+        return hidden

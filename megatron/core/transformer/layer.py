@@ -1,0 +1,82 @@
+"""The pre-LayerNorm transformer layer, its MLP and its LayerNorm module."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from megatron.core import tensor_parallel
+from megatron.core.fusions import bias_dropout_add, bias_gelu, layer_norm
+from megatron.core.parallel_state import ParallelState, default_device
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.config import TransformerConfig
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the hidden dimension; under sequence parallelism its grads are summed across TP."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        h, dev, dt = config.hidden_size, default_device(), config.params_dtype
+        self.weight = nn.Parameter(torch.empty(h, device=dev, dtype=dt))
+        self.bias = nn.Parameter(torch.empty(h, device=dev, dtype=dt))
+        for p in (self.weight, self.bias):
+            p.sequence_parallel = config.sequence_parallel
+        self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.use_fused = config.use_fused_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma, use_fused=self.use_fused)
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); the GeLU needs no communication."""
+
+    def __init__(self, config: TransformerConfig, pstate: ParallelState):
+        super().__init__()
+        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, config.ffn_hidden_size, config=config, pstate=pstate, bias=True,
+            gather_output=False, skip_bias_add=True,
+        )
+        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, config=config, pstate=pstate, bias=True,
+            input_is_parallel=True, skip_bias_add=True,
+        )
+        self.use_fused = config.use_fused_kernels
+
+    def forward(self, hidden: torch.Tensor):
+        inter, inter_bias = self.linear_fc1(hidden)  # [s, b, ffn/tp]
+        inter = bias_gelu(inter, inter_bias, use_fused=self.use_fused)
+        return self.linear_fc2(inter)  # ([s(/tp), b, h], bias)
+
+
+class TransformerLayer(nn.Module):
+    """x + Dropout(Attn(LN(x))) then x + Dropout(MLP(LN(x))), activations ``[s(/tp), b, h]``."""
+
+    def __init__(self, config: TransformerConfig, pstate: ParallelState):
+        super().__init__()
+        self.config = config
+        self.input_layernorm = LayerNorm(config)
+        self.self_attention = SelfAttention(config, pstate)
+        self.pre_mlp_layernorm = LayerNorm(config)
+        self.mlp = MLP(config, pstate)
+
+    def _dropout_rng(self):
+        # Under SP each TP rank holds a different slice of the sequence, so the residual dropout must draw
+        # different masks per rank; without SP the activations are replicated and so must the masks be.
+        if self.config.sequence_parallel:
+            return tensor_parallel.get_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        p, fused = self.config.hidden_dropout, self.config.use_fused_kernels
+        attn_out, attn_bias = self.self_attention(self.input_layernorm(hidden))
+        with self._dropout_rng():
+            hidden = bias_dropout_add(attn_out, attn_bias, hidden, p, self.training, use_fused=fused)
+        mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden))
+        with self._dropout_rng():
+            hidden = bias_dropout_add(mlp_out, mlp_bias, hidden, p, self.training, use_fused=fused)
+        return hidden
