@@ -1,0 +1,240 @@
+"""Tensor-parallel layers: column- and row-parallel linear layers and the vocab-parallel embedding.
+
+Shapes use Megatron's sequence-first activations ``[s, b, h]``; with ``config.sequence_parallel`` the
+activations entering a column-parallel layer and leaving a row-parallel layer are ``[s/tp, b, h]``.
+
+Parameters are allocated with ``torch.empty`` on ``default_device()`` in ``config.params_dtype`` and are *not*
+initialised: the model initialises every parameter centrally from the full master tensor and keeps this rank's
+slice, which it finds from the attributes set here:
+
+| parameter                      | tensor_model_parallel | partition_dim | sequence_parallel |
+|--------------------------------|-----------------------|---------------|-------------------|
+| ColumnParallelLinear.weight    | True                  | 0             |                   |
+| ColumnParallelLinear.bias      | True                  | 0             |                   |
+| RowParallelLinear.weight       | True                  | 1             |                   |
+| RowParallelLinear.bias         | False                 | -1            | config.sequence_parallel |
+| VocabParallelEmbedding.weight  | True                  | 0             |                   |
+
+The row-parallel bias is added after the reduction; under sequence parallelism each rank adds it to its own
+sequence slice, so its gradient is partial and must be summed over TP (``sequence_parallel = True`` tells
+``finalize_model_grads`` to do so).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron.core.parallel_state import ParallelState, default_device
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.transformer.config import TransformerConfig
+
+_TP_ATTRIBUTES = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Tag ``param`` with how it is split over TP ranks (read by initialisation, checkpoint tools, grad norm)."""
+    param.tensor_model_parallel = bool(is_parallel)
+    param.partition_dim = int(dim)
+    param.partition_stride = int(stride)
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
+    """Give ``param`` the attributes of a replicated (not split) parameter unless it already has them."""
+    for name, value in _TP_ATTRIBUTES.items():
+        if not hasattr(param, name):
+            setattr(param, name, value)
+
+
+def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the three TP attributes from ``src`` to ``dst`` (e.g. onto an fp32 master copy of a parameter)."""
+    for name, default in _TP_ATTRIBUTES.items():
+        setattr(dst, name, getattr(src, name, default))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, pstate: ParallelState) -> bool:
+    """True for a split parameter, or for a replicated one on TP rank 0: count each element once over TP."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or pstate.tp_rank == 0
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what} ({numerator}) must be divisible by --tensor-model-parallel-size ({denominator})"
+        )
+    return numerator // denominator
+
+
+def _empty(shape, config: TransformerConfig) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=default_device(), dtype=config.params_dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by columns: rank ``r`` holds ``A_r`` and computes ``Y_r = X A_r + b_r``.
+
+    The weight is stored as ``[out/tp, in]`` (``F.linear`` layout), so the output features are split.
+    Input ``[s, b, in]`` (or ``[s/tp, b, in]`` under sequence parallelism, all-gathered along dimension 0 first;
+    without SP ``f`` is applied so the input gradient is summed over TP). Output ``[s, b, out/tp]``, or the full
+    ``[s, b, out]`` with ``gather_output=True``.
+
+    ``skip_bias_add=True`` returns the bias instead of adding it, so the caller can fuse it with the next
+    element-wise op. ``skip_weight_param_allocation=True`` allocates no weight; ``forward`` must then be given
+    one (the output layer tied to the word embedding).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        pstate: ParallelState,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+    ):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
+        self.output_size_per_partition = _divide(output_size, pstate.tp_size, "output size of a column-parallel linear")
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
+        if config.sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True is not supported with --sequence-parallel")
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = _empty((self.output_size_per_partition, input_size), config)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if bias:
+            self.bias = _empty((self.output_size_per_partition,), config)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self, x: torch.Tensor, weight: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``x [s(/tp), b, in] -> (out [s, b, out/tp] (or [s, b, out] gathered), bias or None)``."""
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True: "
+                                 "forward() needs a weight")
+            weight = self.weight
+        elif weight.shape != (self.output_size_per_partition, self.input_size):
+            raise ValueError(f"ColumnParallelLinear: weight shape {tuple(weight.shape)} should be "
+                             f"{(self.output_size_per_partition, self.input_size)}")
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in]
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, weight, bias)  # [s, b, out/tp]
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
+        return out, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size} (per rank {self.output_size_per_partition}), "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by rows: rank ``r`` holds ``A_r`` and computes the partial ``X_r A_r``.
+
+    The weight is stored as ``[out, in/tp]``. The input is ``[s, b, in/tp]`` (``input_is_parallel=True``, the
+    output of a column-parallel layer) or the full ``[s, b, in]``, which is then split along its last dimension.
+    The partial products are summed with ``g`` (all-reduce) to ``[s, b, out]``, or under sequence parallelism
+    reduce-scattered along dimension 0 to ``[s/tp, b, out]``. The bias is added after the reduction (or returned
+    with ``skip_bias_add=True``).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        pstate: ParallelState,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+    ):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
+        self.input_size_per_partition = _divide(input_size, pstate.tp_size, "input size of a row-parallel linear")
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
+        if config.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True")
+        self.weight = _empty((output_size, self.input_size_per_partition), config)
+        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        if bias:
+            self.bias = _empty((output_size,), config)
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            self.bias.sequence_parallel = config.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``."""
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in/tp]
+        partial = F.linear(x, self.weight)  # [s, b, out], summed over TP below
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
+        else:
+            out = reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # [s, b, out]
+        if self.skip_bias_add or self.bias is None:
+            return out, self.bias if self.skip_bias_add else None
+        return out + self.bias, None
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size} (per rank {self.input_size_per_partition}), out={self.output_size}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary: rank ``r`` holds rows ``[r V/tp, (r+1) V/tp)``.
+
+    Each rank looks up the ids that fall in its range, writes zeros for the others, and the partial results are
+    summed over TP with ``g``. ``forward(ids [b, s]) -> [b, s, h]``, identical on every TP rank.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, config: TransformerConfig, pstate: ParallelState):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
+        self.num_embeddings_per_partition = _divide(num_embeddings, pstate.tp_size, "padded vocabulary size")
+        self.vocab_start_index = pstate.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = _empty((self.num_embeddings_per_partition, embedding_dim), config)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [b, s]`` (int64) ``-> [b, s, h]``."""
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)  # [b, s, h]
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # [b, s]
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight)  # [b, s, h]
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # [b, s, h]
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start_index}:"
+                f"{self.vocab_end_index} on this rank)")
