@@ -1,0 +1,213 @@
+"""Tokenizers built on the compiled Hugging Face ``tokenizers`` library.
+
+Every tokenizer exposes the same small surface that preprocessing, the datasets and the trainer need:
+
+* ``vocab_size``: number of ids the tokenizer can emit (Megatron's definition, before any padding to a
+  multiple of 128 for tensor parallelism);
+* ``eod``: the end-of-document id that ``--append-eod`` appends;
+* ``tokenize(text) -> list[int]`` and ``tokenize_batch(texts) -> list[list[int]]`` (the batched form runs
+  in the Rust library's own thread pool and is what makes preprocessing fast);
+* ``detokenize(ids) -> str``.
+
+The ids equal those of Megatron-LM's tokenizers for the same vocabulary files: GPT-2 byte-level BPE
+(``vocab.json`` + ``merges.txt``, the same pre-tokenising regular expression and merge ranks) and BERT
+WordPiece (``vocab.txt``, BERT's basic tokenizer then greedy longest-match-first word pieces).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, List, Optional, Sequence
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "HuggingFaceTokenizer",
+)
+
+
+class _HFBackedTokenizer:
+    """Common behaviour of the tokenizers: a ``tokenizers.Tokenizer`` plus Megatron's special ids."""
+
+    name = "abstract"
+
+    def __init__(self, tokenizer: Tokenizer, add_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._add_special = add_special_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct ids (Megatron's ``vocab_size``; padding for TP is the trainer's job)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> dict:
+        """Mapping token string -> id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        raise NotImplementedError  # every concrete tokenizer below defines it
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of one text."""
+        return self._tok.encode(text, add_special_tokens=self._add_special).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """Token ids of many texts at once (parallel inside the Rust library)."""
+        if not texts:
+            return []
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=self._add_special)
+        return [e.ids for e in encs]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text of a list of ids."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+class GPT2BPETokenizer(_HFBackedTokenizer):
+    """OpenAI GPT-2 byte-level BPE from ``vocab.json`` and ``merges.txt``; ``eod`` is ``<|endoftext|>``."""
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        _require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
+        _require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
+        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        # GPT-2 pre-tokenises with its regular expression and maps bytes to printable characters;
+        # no prefix space is added (Megatron's tokenizer adds none either).
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        super().__init__(tok)
+        eod = tok.token_to_id("<|endoftext|>")
+        if eod is None:
+            raise ValueError(f"--vocab-file {vocab_file} has no '<|endoftext|>' token (not a GPT-2 vocabulary?)")
+        self._eod = eod
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
+class BertWordPieceTokenizer(_HFBackedTokenizer):
+    """BERT WordPiece from ``vocab.txt`` (lower-cased and accent-stripped, or cased).
+
+    As in Megatron-LM, ``[BOS]`` and ``[EOS]`` are appended to the vocabulary when absent (so
+    bert-base-uncased has ``vocab_size`` 30,524) and ``eod`` is the ``[EOS]`` id.
+    """
+
+    def __init__(self, vocab_file: str, lower_case: bool):
+        self.name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
+        _require_file(vocab_file, "--vocab-file", self.name)
+        tok = Tokenizer(models.WordPiece.from_file(vocab_file, unk_token="[UNK]", max_input_chars_per_word=100))
+        tok.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case
+        )
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##")
+        vocab = tok.get_vocab()
+        for special in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"):
+            if special not in vocab:
+                raise ValueError(f"--vocab-file {vocab_file} lacks the BERT special token {special}")
+        # Megatron appends [BOS] then [EOS] as ordinary vocabulary entries.
+        for extra in ("[BOS]", "[EOS]"):
+            if tok.token_to_id(extra) is None:
+                tok.add_special_tokens([extra])
+        super().__init__(tok)
+        self.cls = tok.token_to_id("[CLS]")
+        self.sep = tok.token_to_id("[SEP]")
+        self.pad = tok.token_to_id("[PAD]")
+        self.mask = tok.token_to_id("[MASK]")
+        self.bos = tok.token_to_id("[BOS]")
+        self.eos = tok.token_to_id("[EOS]")
+
+    @property
+    def eod(self) -> int:
+        return self.eos
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
+
+
+class HuggingFaceTokenizer(_HFBackedTokenizer):
+    """Any Hugging Face ``tokenizer.json`` (a file, or a directory holding one).
+
+    Special tokens are added as the tokenizer's post-processor defines (as ``AutoTokenizer(text)``
+    does in Megatron-LM). ``eod`` is the ``eos_token`` of a ``tokenizer_config.json`` next to the file
+    when there is one, else the first of the usual end-of-text tokens present in the vocabulary.
+    """
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, tokenizer_model: str, eod_token: Optional[str] = None):
+        if not tokenizer_model:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json file or its directory)")
+        path = tokenizer_model
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        _require_file(path, "--tokenizer-model", self.name)
+        tok = Tokenizer.from_file(path)
+        super().__init__(tok, add_special_tokens=True)
+        self._eod = self._find_eod(tok, os.path.dirname(path), eod_token)
+
+    @staticmethod
+    def _find_eod(tok: Tokenizer, folder: str, eod_token: Optional[str]) -> int:
+        names = []
+        if eod_token:
+            names.append(eod_token)
+        cfg = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(cfg):
+            with open(cfg, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                names.append(eos)
+        names.extend(_EOS_CANDIDATES)
+        for n in names:
+            i = tok.token_to_id(n)
+            if i is not None:
+                return i
+        raise ValueError(
+            "HuggingFaceTokenizer: could not find an end-of-document token in the tokenizer "
+            f"(looked for {names}); add a tokenizer_config.json with 'eos_token' next to tokenizer.json"
+        )
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
+def _require_file(path: Optional[str], flag: str, kind: str) -> None:
+    if not path:
+        raise ValueError(f"{kind} needs {flag}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r}: no such file (needed by {kind})")
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+    tokenizer_model: Optional[str] = None,
+):
+    """Build one of Megatron's tokenizer types (``--tokenizer-type``) from its files."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "BertWordPieceLowerCase":
+        return BertWordPieceTokenizer(vocab_file, lower_case=True)
+    if tokenizer_type == "BertWordPieceCase":
+        return BertWordPieceTokenizer(vocab_file, lower_case=False)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {list(TOKENIZER_TYPES)}")

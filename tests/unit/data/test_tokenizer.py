@@ -1,0 +1,133 @@
+"""Tokenizers: GPT-2 ids equal an independent pure-Python GPT-2 BPE on real text; BERT and HF basics."""
+
+import gzip
+import json
+import os
+
+import pytest
+import regex
+
+from megatron.core.tokenizer import build_tokenizer
+from tests.conftest import SHARED_DATA
+
+GPT2_VOCAB = os.path.join(SHARED_DATA, "gpt2", "vocab.json")
+GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "merges.txt")
+BERT_VOCAB = os.path.join(SHARED_DATA, "bert", "vocab.txt")
+
+
+class ReferenceGPT2BPE:
+    """Plain re-statement of OpenAI's GPT-2 encoder: regex pre-split, byte->unicode map, rank-ordered merges."""
+
+    PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+    def __init__(self, vocab_path, merges_path):
+        with open(vocab_path, encoding="utf-8") as f:
+            self.encoder = json.load(f)
+        with open(merges_path, encoding="utf-8") as f:
+            lines = f.read().split("\n")[1:-1]
+        self.ranks = {tuple(line.split()): i for i, line in enumerate(lines)}
+        printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+        mapping, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                mapping[b] = chr(b)
+            else:
+                mapping[b] = chr(256 + extra)
+                extra += 1
+        self.byte_map = mapping
+        self.cache = {}
+
+    def _bpe(self, word):
+        if word in self.cache:
+            return self.cache[word]
+        parts = list(word)
+        while len(parts) > 1:
+            pairs = [(self.ranks.get((a, b), float("inf")), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            best_rank = min(p[0] for p in pairs)
+            if best_rank == float("inf"):
+                break
+            i = min(p[1] for p in pairs if p[0] == best_rank)
+            first, second = parts[i], parts[i + 1]
+            merged, j = [], 0
+            while j < len(parts):
+                if j < len(parts) - 1 and parts[j] == first and parts[j + 1] == second:
+                    merged.append(first + second)
+                    j += 2
+                else:
+                    merged.append(parts[j])
+                    j += 1
+            parts = merged
+        self.cache[word] = parts
+        return parts
+
+    def encode(self, text):
+        ids = []
+        for piece in self.PATTERN.findall(text):
+            mapped = "".join(self.byte_map[b] for b in piece.encode("utf-8"))
+            ids.extend(self.encoder[p] for p in self._bpe(mapped))
+        return ids
+
+
+def _real_texts(n=60):
+    texts = []
+    with gzip.open(os.path.join(SHARED_DATA, "corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i % 250 == 0:
+                texts.append(json.loads(line)["text"][:3000])
+            if len(texts) >= n:
+                break
+    texts += [
+        "  leading spaces, trailing   \n\n\t tabs\r\n and CRLF  ",
+        "Unicode: café naïve façade — “quotes” 日本語 🙂 emoji; numbers 3.14159 1,000,000",
+        "I'm you're they've he'll she'd it's 'quoted' O'Neil's",
+        "",
+    ]
+    return texts
+
+
+def test_gpt2_matches_reference_bpe_on_real_text():
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+    ref = ReferenceGPT2BPE(GPT2_VOCAB, GPT2_MERGES)
+    assert tok.vocab_size == 50257 and tok.eod == 50256
+    texts = _real_texts()
+    batch = tok.tokenize_batch(texts)
+    total = 0
+    for text, got in zip(texts, batch):
+        want = ref.encode(text)
+        assert tok.tokenize(text) == want
+        assert got == want
+        assert tok.detokenize(got) == text
+        total += len(want)
+    assert total > 10000  # the comparison really covered a lot of real prose
+
+
+def test_bert_wordpiece():
+    low = build_tokenizer("BertWordPieceLowerCase", vocab_file=BERT_VOCAB)
+    assert low.vocab_size == 30524  # 30,522 + [BOS] + [EOS], as Megatron-LM
+    assert low.eod == 30523
+    ids = low.tokenize("Hello World, Café unaffable!")
+    # bert-base-uncased: hello=7592 world=2088 ,=1010 cafe=7668 un ##aff ##able !
+    assert ids == [7592, 2088, 1010, 7668, 14477, 20961, 3468, 999]
+    assert low.detokenize(ids) == "hello world, cafe unaffable!"
+    case = build_tokenizer("BertWordPieceCase", vocab_file=BERT_VOCAB)
+    assert case.tokenize("Hello") != low.tokenize("Hello")  # no lower-casing: 'Hello' is split or [UNK]
+    assert case.tokenize_batch(["a b", "c"]) == [case.tokenize("a b"), case.tokenize("c")]
+
+
+def test_huggingface_tokenizer_json(tmp_path):
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+    path = tmp_path / "tokenizer.json"
+    gpt2._tok.save(str(path))
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    text = "The HF path reads tokenizer.json files."
+    assert hf.tokenize(text) == gpt2.tokenize(text)
+    assert hf.eod == 50256
+
+
+def test_bad_tokenizer_arguments(tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer-type"):
+        build_tokenizer("NoSuchTokenizer")
+    with pytest.raises(ValueError, match="--merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB)
+    with pytest.raises(ValueError, match="--vocab-file"):
+        build_tokenizer("BertWordPieceCase", vocab_file=str(tmp_path / "missing.txt"))
