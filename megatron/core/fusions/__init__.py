@@ -1,7 +1,8 @@
 """Element-wise kernels of the transformer, each with a plain PyTorch reference it must match.
 
-The model calls only the public functions below; each picks a fused implementation when one applies (CUDA and
-``use_fused=True``) and falls back to the reference otherwise.
+The model calls only the public functions below; each picks a fused implementation when one applies (CUDA,
+Triton importable and ``use_fused=True``) and falls back to the reference otherwise.
 """
 
+from megatron.core.fusions.cross_entropy import fused_vocab_cross_entropy  # noqa: F401
 from megatron.core.fusions.ops import bias_dropout_add, bias_gelu, layer_norm  # noqa: F401

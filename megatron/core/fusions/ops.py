@@ -1,4 +1,11 @@
-"""Public element-wise ops used by the transformer layers, with their PyTorch references."""
+"""Public element-wise ops used by the transformer layers, with their PyTorch references.
+
+Each public op (``bias_gelu``, ``bias_dropout_add``, ``layer_norm``) runs a fused Triton kernel when
+``use_fused=True``, the tensor is on CUDA and Triton is importable, and otherwise the ``*_reference`` function,
+which is the definition the fused kernels are tested against (tests/gpu/test_fused_kernels.py). While
+``torch.compile`` traces a model (``--use-torch-compile``) the references are used too: Inductor fuses them
+into its own kernels, and an opaque Triton call would only break the graph.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
+    from megatron.core.fusions._triton_elementwise import BiasDropoutAddFunction, BiasGeLUFunction
+    from megatron.core.fusions._triton_layer_norm import LayerNormFunction, triton_layer_norm_supported
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAVE_TRITON = False
 
 
 def bias_gelu_reference(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -32,13 +47,34 @@ def layer_norm_reference(
     return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
 
 
-def bias_gelu(x, bias, use_fused: bool = True):
+def _fusable(x: torch.Tensor, use_fused: bool) -> bool:
+    """True when the fused Triton path applies: asked for, CUDA tensor, Triton present, not being traced."""
+    return use_fused and HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], use_fused: bool = True) -> torch.Tensor:
+    """gelu(x + bias) (exact GeLU), fused into one pass forward and one backward on CUDA."""
+    if _fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:]):
+        return BiasGeLUFunction.apply(x, bias)
     return bias_gelu_reference(x, bias)
 
 
-def bias_dropout_add(x, bias, residual, prob, training, use_fused: bool = True):
+def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, prob: float,
+                     training: bool, use_fused: bool = True) -> torch.Tensor:
+    """residual + dropout(x + bias); the fused path regenerates the dropout mask in backward instead of storing it.
+
+    The fused path draws its Philox seed from the current CUDA generator, so forked RNG states (tensor-parallel
+    regions) and recomputation reproduce the mask; the mask itself differs from ``F.dropout``'s.
+    """
+    if (_fusable(x, use_fused) and residual.shape == x.shape
+            and (bias is None or bias.shape == x.shape[-1:])):
+        return BiasDropoutAddFunction.apply(x, bias, residual, float(prob), bool(training))
     return bias_dropout_add_reference(x, bias, residual, prob, training)
 
 
-def layer_norm(x, weight, bias, eps, zero_centered_gamma=False, use_fused: bool = True):
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+               zero_centered_gamma: bool = False, use_fused: bool = True) -> torch.Tensor:
+    """LayerNorm over the last dimension (optionally zero-centred gamma), one Triton pass each way on CUDA."""
+    if _fusable(x, use_fused) and triton_layer_norm_supported(x):
+        return LayerNormFunction.apply(x, weight, bias, eps, zero_centered_gamma)
     return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma)
