@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Quickstart: preprocess the bundled corpus, train a tiny GPT on CPU, evaluate, save a checkpoint, resume.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash examples/install.sh
+PY=${PYTHON:-python3}
+OUT=${OUT_DIR:-runs/quickstart}
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+
+echo "== 1/3 preprocess data/tinyshakespeare.jsonl.gz -> $OUT/data/quickstart_text_document.{bin,idx}"
+"$PY" tools/preprocess_data.py --input data/tinyshakespeare.jsonl.gz --output-prefix "$OUT/data/quickstart" \
+    --tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-vocab.json --merge-file data/gpt2-merges.txt \
+    --append-eod --workers 2
+
+MODEL_ARGS=(
+    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
+    --micro-batch-size 8 --global-batch-size 16
+    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 --lr-decay-iters 120 --weight-decay 0.1 --clip-grad 1.0
+    --data-path "$OUT/data/quickstart_text_document" --split 98,2,0
+    --tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-vocab.json --merge-file data/gpt2-merges.txt
+    --log-interval 10 --log-throughput --eval-interval 50 --eval-iters 5
+    --save "$OUT/checkpoints" --save-interval 50 --tensorboard-dir "$OUT/tensorboard"
+    --num-workers 0 --seed 1234
+)
+
+echo "== 2/3 train a tiny GPT: 120 iterations planned, stop after 100 (--exit-interval saves, then exits)"
+"$PY" pretrain_gpt.py "${MODEL_ARGS[@]}" --train-iters 120 --exit-interval 100
+
+echo "== 3/3 resume from the checkpoint and train 20 more iterations"
+"$PY" pretrain_gpt.py "${MODEL_ARGS[@]}" --train-iters 120 --load "$OUT/checkpoints"
+
+echo
+echo "Checkpoints: $OUT/checkpoints (latest: $(cat "$OUT/checkpoints/latest_checkpointed_iteration.txt"))"
+echo "TensorBoard: tensorboard --logdir $OUT/tensorboard"
+echo "Resume again: python3 pretrain_gpt.py <same flags> --train-iters N --load $OUT/checkpoints"

@@ -1,0 +1,156 @@
+"""Megatron-layout checkpoints: ``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/mp_rank_TT[_PPP]/``.
+
+Every file is written under a temporary name and renamed; the tracker file is written last, so a crash never
+leaves a tracker pointing at a partial checkpoint. Files hold plain types only and load with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import tensor_parallel
+from megatron.core.parallel_state import ParallelState
+
+CHECKPOINT_VERSION = 3.0
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(root: str, iteration: int, pstate: ParallelState, release: bool = False) -> str:
+    it = "release" if release else f"iter_{iteration:07d}"
+    rank = f"mp_rank_{pstate.tp_rank:02d}" + (f"_{pstate.pp_rank:03d}" if pstate.pp_size > 1 else "")
+    return os.path.join(root, it, rank)
+
+
+def _atomic_save(obj, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _model_state(model: List[torch.nn.Module]) -> dict:
+    if len(model) == 1:
+        return {"model": model[0].state_dict()}
+    return {f"model{i}": chunk.state_dict() for i, chunk in enumerate(model)}
+
+
+def save_checkpoint(iteration: int, model, optimizer, scheduler, args, pstate: ParallelState,
+                    consumed_train_samples: int, plain_args: dict) -> str:
+    """Collective: every rank calls it (the distributed optimizer gathers its state across DP)."""
+    optim_state = None
+    if optimizer is not None and not args.no_save_optim:
+        optim_state = optimizer.state_dict()
+    path = os.path.join(checkpoint_dir(args.save, iteration, pstate), "model_optim_rng.pt")
+    if pstate.dp_rank == 0:
+        state = {
+            "args": plain_args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "consumed_train_samples": consumed_train_samples,
+            **_model_state(model),
+        }
+        if optim_state is not None:
+            state["optimizer"] = optim_state
+            state["opt_param_scheduler"] = scheduler.state_dict()
+        if not args.no_save_rng:
+            state["rng_state"] = tensor_parallel.get_all_rng_states()
+        _atomic_save(state, path)
+    _barrier()
+    if pstate.rank == 0:
+        _atomic_write_text(os.path.join(args.save, TRACKER), str(iteration))
+    _barrier()
+    return path
+
+
+def read_tracker(root: str) -> int:
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"no checkpoint to load: {tracker} does not exist")
+    text = open(tracker).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"corrupt tracker file {tracker}: expected an iteration number, found {text!r}")
+
+
+def load_checkpoint(model, optimizer, scheduler, args, pstate: ParallelState) -> tuple:
+    """Load ``args.load`` into the model (and optimizer, scheduler, RNG unless told not to).
+
+    Returns ``(iteration, consumed_train_samples)``; ``(0, 0)`` when finetuning. Raises ``CheckpointError``
+    with the path and the reason on a missing, corrupt or incompatible checkpoint.
+    """
+    root = args.load
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load directory {root} does not exist")
+    iteration = read_tracker(root)
+    path = os.path.join(checkpoint_dir(root, iteration, pstate, release=(iteration == 0)), "model_optim_rng.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"checkpoint file {path} is missing (the tracker names iteration {iteration}); was it saved with "
+            f"--tensor-model-parallel-size {pstate.tp_size} and --pipeline-model-parallel-size {pstate.pp_size}?"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated file, bad zip, foreign pickle
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    saved = state.get("args", {})
+    for flag, key, now in (("--tensor-model-parallel-size", "tensor_model_parallel_size", pstate.tp_size),
+                           ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", pstate.pp_size)):
+        if key in saved and saved[key] != now:
+            raise CheckpointError(f"checkpoint {path} was saved with {flag} {saved[key]}, this run uses {now}; "
+                                  "reshard it first")
+    if len(model) == 1:
+        keys = ["model"]
+    else:
+        keys = [f"model{i}" for i in range(len(model))]
+    for chunk, key in zip(model, keys):
+        if key not in state:
+            raise CheckpointError(f"checkpoint {path} has no '{key}' entry (virtual pipeline layout differs?)")
+        try:
+            chunk.load_state_dict(state[key], strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(f"checkpoint {path} does not fit this model: {exc}") from exc
+
+    if args.finetune:
+        return 0, 0
+    if not args.no_load_optim and optimizer is not None:
+        if "optimizer" not in state:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state; use --no-load-optim or --finetune")
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if not args.no_load_rng:
+        if "rng_state" not in state:
+            raise CheckpointError(f"checkpoint {path} holds no RNG state; use --no-load-rng")
+        tensor_parallel.set_all_rng_states(state["rng_state"])
+    return int(state["iteration"]), int(state.get("consumed_train_samples", 0))
+
+
+def latest_iteration(root: Optional[str]) -> Optional[int]:
+    if not root or not os.path.isfile(os.path.join(root, TRACKER)):
+        return None
+    return read_tracker(root)

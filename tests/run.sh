@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install what the tests need, then run the whole CPU test suite (unit + functional).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash examples/install.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider tests/unit tests/functional "$@"
