@@ -1,0 +1,243 @@
+"""Optimizer wrappers: the common step (unscale, inf check, norm, clip, update, copy back) and two layouts.
+
+* :class:`FP32Optimizer` steps the model's fp32 params directly; ``param.grad`` is pointed at
+  ``param.main_grad`` for the step.
+* :class:`MixedPrecisionOptimizer` keeps an fp32 main copy of every bf16/fp16 param, steps the copies and
+  casts them back into the model params.
+
+The distributed optimizer (``distrib_optimizer.py``) is a third layout on the same base class.
+``step()`` returns ``(update_successful, grad_norm, num_zeros)``; ``num_zeros`` is always ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.core.optimizer.clip_grads import (
+    clip_grads_by_total_norm, found_inf_in, global_grad_norm, param_counts_for_norm,
+)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+
+class MegatronOptimizer:
+    """Base class: owns the torch optimizer, the optional loss scaler and the shared ``step`` logic.
+
+    Subclasses provide ``_copy_model_grads_to_main``, ``_main_grads``, ``_grads_for_norm``,
+    ``_copy_main_params_to_model``, ``_release_grads``, ``_reduce_groups`` and the state-dict methods.
+    """
+
+    def __init__(self, config: OptimizerConfig, optimizer: torch.optim.Optimizer, model_chunks, pstate,
+                 grad_scaler=None, device=None):
+        self.config = config
+        self.optimizer = optimizer
+        self.model_chunks = list(model_chunks)
+        self.pstate = pstate
+        self.grad_scaler = grad_scaler
+        self.device = device if device is not None else torch.device("cpu")
+        self._one = torch.ones(1, dtype=torch.float32, device=self.device)
+
+    # ---- interface used by the trainer ----------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[dict]:
+        """The torch optimizer's groups: the scheduler sets ``lr``/``weight_decay`` honouring ``lr_mult``/``wd_mult``."""
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """Current loss scale as a [1] fp32 tensor (1.0 without fp16)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else self._one
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``: hand this to the schedule as ``grad_scale_func``."""
+        return loss * self.get_loss_scale().to(loss.device, loss.dtype)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the DDP grad buffers of every chunk and drop any ``.grad`` left on model or main params."""
+        for chunk in self.model_chunks:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+            else:
+                for p in chunk.parameters():
+                    if hasattr(p, "main_grad"):
+                        p.main_grad.zero_()
+                    p.grad = None
+        self._release_grads()
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """One update. Returns ``(update_successful, grad_norm, None)``.
+
+        fp16 overflow (inf/nan after unscaling, on any rank of the reduction groups) skips the update and
+        returns ``(False, None, None)``; a non-finite grad norm in any precision skips it and returns
+        ``(False, norm, None)``, so the trainer can count skipped and nan iterations.
+        """
+        self._copy_model_grads_to_main()
+        groups = self._reduce_groups()
+        if self.grad_scaler is not None:
+            found_inf = found_inf_in(self._main_grads(), self.grad_scaler.inv_scale, groups, self.device)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self._release_grads()
+                return False, None, None
+        grad_norm = global_grad_norm(self._grads_for_norm(), groups, self.device)
+        if not math.isfinite(grad_norm):
+            self._release_grads()
+            return False, grad_norm, None
+        clip_grads_by_total_norm(self._main_grads(), self.config.clip_grad, grad_norm)
+        self.optimizer.step()
+        self._release_grads()
+        self._copy_main_params_to_model()
+        return True, grad_norm, None
+
+    def reload_model_params(self) -> None:
+        """Refresh the main params from the model params (after loading a model-only checkpoint)."""
+
+    def owned_main_params(self) -> List[torch.Tensor]:
+        """fp32 main params held in addition to the model params (for the memory report)."""
+        return []
+
+    # ---- hooks for subclasses ---------------------------------------------------------------------------
+    def _reduce_groups(self) -> list:
+        groups = []
+        if self.pstate.mp_group is not None and (self.pstate.tp_size * self.pstate.pp_size) > 1:
+            groups.append(self.pstate.mp_group)
+        return groups
+
+    def _copy_model_grads_to_main(self) -> None:
+        raise NotImplementedError
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _grads_for_norm(self) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _copy_main_params_to_model(self) -> None:
+        raise NotImplementedError
+
+    def _release_grads(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise NotImplementedError
+
+
+def _model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The reduced grad of ``param``: its ``main_grad`` when wrapped by DDP, else ``param.grad``."""
+    g = getattr(param, "main_grad", None)
+    return g if g is not None else param.grad
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 model params stepped in place (the torch optimizer holds the model params themselves)."""
+
+    def _params(self) -> List[torch.nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _copy_model_grads_to_main(self) -> None:
+        for p in self._params():
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        return [p.grad for p in self._params() if p.grad is not None]
+
+    def _grads_for_norm(self) -> List[torch.Tensor]:
+        return [p.grad for p in self._params() if p.grad is not None and param_counts_for_norm(p, self.pstate)]
+
+    def _copy_main_params_to_model(self) -> None:
+        pass
+
+    def _release_grads(self) -> None:
+        for p in self._params():
+            if hasattr(p, "main_grad"):  # grads live in the DDP buffer; never leave an alias on .grad
+                p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """bf16/fp16 model params with fp32 main params; the torch optimizer steps the main params.
+
+    ``model_groups`` are the param groups built from the model (dicts with ``params`` and hyperparameters);
+    the torch optimizer is built by ``make_optimizer(main_groups)`` over fp32 copies of the same layout.
+    """
+
+    def __init__(self, config: OptimizerConfig, make_optimizer, model_groups: List[dict], model_chunks, pstate,
+                 grad_scaler=None, device=None):
+        self.model_params: List[torch.nn.Parameter] = []
+        self.main_params: List[torch.nn.Parameter] = []
+        main_groups = []
+        for group in model_groups:
+            mains = []
+            for p in group["params"]:
+                main = torch.nn.Parameter(p.detach().clone().float())
+                for attr in ("tensor_model_parallel", "sequence_parallel", "shared_embedding"):
+                    if hasattr(p, attr):
+                        setattr(main, attr, getattr(p, attr))
+                self.model_params.append(p)
+                self.main_params.append(main)
+                mains.append(main)
+            main_groups.append(dict(group, params=mains))
+        super().__init__(config, make_optimizer(main_groups), model_chunks, pstate, grad_scaler, device)
+
+    def _copy_model_grads_to_main(self) -> None:
+        for model, main in zip(self.model_params, self.main_params):
+            g = _model_grad(model)
+            main.grad = None if g is None else g.float()  # no copy when the buffer is already fp32
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        return [m.grad for m in self.main_params if m.grad is not None]
+
+    def _grads_for_norm(self) -> List[torch.Tensor]:
+        return [main.grad for model, main in zip(self.model_params, self.main_params)
+                if main.grad is not None and param_counts_for_norm(model, self.pstate)]
+
+    def _copy_main_params_to_model(self) -> None:
+        if self.model_params:
+            torch._foreach_copy_([p.data for p in self.model_params], [m.data for m in self.main_params])
+
+    def _release_grads(self) -> None:
+        for model, main in zip(self.model_params, self.main_params):
+            main.grad = None
+            if hasattr(model, "main_grad"):
+                model.grad = None
+
+    def owned_main_params(self) -> List[torch.Tensor]:
+        return list(self.main_params)
+
+    def reload_model_params(self) -> None:
+        with torch.no_grad():
+            for model, main in zip(self.model_params, self.main_params):
+                main.data.copy_(model.data)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+                "fp32_from_fp16_params": [m.detach().clone() for m in self.main_params]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        saved = state_dict["fp32_from_fp16_params"]
+        if len(saved) != len(self.main_params):
+            raise ValueError(
+                f"optimizer checkpoint holds {len(saved)} main params but the model has {len(self.main_params)}"
+            )
+        with torch.no_grad():
+            for main, value in zip(self.main_params, saved):
+                main.data.copy_(value)
