@@ -163,12 +163,12 @@ def _reject_unsupported(argv: List[str]) -> None:
     for i, tok in enumerate(argv):
         flag = tok.split("=", 1)[0]
         if flag in UNSUPPORTED_MEGATRON_FLAGS:
-            raise SystemExit(f"error: {flag} is a Megatron-LM flag this framework does not support "
+            raise ValueError(f"{flag} is a Megatron-LM flag this framework does not support "
                              f"({UNSUPPORTED_MEGATRON_FLAGS[flag]})")
         if flag in UNSUPPORTED_CHOICES:
             value = tok.split("=", 1)[1] if "=" in tok else (argv[i + 1] if i + 1 < len(argv) else "")
             if value not in UNSUPPORTED_CHOICES[flag]:
-                raise SystemExit(f"error: {flag} {value} is not supported; supported: "
+                raise ValueError(f"{flag} {value} is not supported; supported: "
                                  f"{', '.join(UNSUPPORTED_CHOICES[flag])}")
 
 
@@ -292,9 +292,12 @@ def parse_args(argv: Optional[List[str]] = None, world_size: int = 1) -> argpars
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    _reject_unsupported(argv)
     parser = argparse.ArgumentParser(description="Megatron-style GPT pretraining", allow_abbrev=False)
     _add_arguments(parser)
+    try:
+        _reject_unsupported(argv)
+    except ValueError as exc:
+        parser.error(str(exc))
     args = parser.parse_args(argv)
     try:
         return validate_args(args, world_size)

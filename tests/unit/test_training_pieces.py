@@ -1,0 +1,115 @@
+"""LR schedule, flag validation, vocab padding, FLOP count and the iteration log line."""
+
+import math
+import re
+
+import pytest
+
+from megatron.training.arguments import pad_vocab_size, parse_args
+from megatron.training.logging import format_eval_line, format_iteration_line, num_floating_point_operations
+from megatron.training.scheduler import OptimizerParamScheduler
+
+
+class _Opt:
+    def __init__(self):
+        self.param_groups = [{"lr_mult": 1.0, "wd_mult": 1.0}, {"lr_mult": 1.0, "wd_mult": 0.0}]
+
+
+def _lrs(style, steps, warmup=10, decay=100, max_lr=1.0, min_lr=0.1):
+    opt = _Opt()
+    sched = OptimizerParamScheduler(opt, max_lr, min_lr, warmup, decay, style, weight_decay=0.1)
+    out = {0: opt.param_groups[0]["lr"]}
+    for n in range(1, max(steps) + 1):
+        sched.step(1)
+        out[n] = opt.param_groups[0]["lr"]
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["weight_decay"] == 0.1
+    return [out[s] for s in steps]
+
+
+def test_lr_schedules_hand_computed():
+    # warm-up: linear from 0 to max over 10 steps
+    assert _lrs("linear", [0, 5, 10]) == pytest.approx([0.0, 0.5, 1.0])
+    # linear decay over steps 10..100 to min_lr 0.1: halfway (55) = 0.1 + 0.5 * 0.9
+    assert _lrs("linear", [55, 100, 150]) == pytest.approx([0.55, 0.1, 0.1])
+    # cosine: at 55 ratio 0.5 -> coeff 0.5; at 32.5 ratio 0.25 -> coeff (cos(pi/4)+1)/2
+    c = 0.5 * (math.cos(math.pi * 0.25) + 1)
+    assert _lrs("cosine", [55, 100]) == pytest.approx([0.55, 0.1])
+    opt = _Opt()
+    sched = OptimizerParamScheduler(opt, 1.0, 0.1, 10, 90, "cosine", 0.0)
+    sched.step(30)  # ratio (30-10)/80 = 0.25
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 + c * 0.9)
+    assert _lrs("constant", [5, 50, 500]) == pytest.approx([0.5, 1.0, 1.0])
+
+
+def test_scheduler_state_round_trip():
+    opt1, opt2 = _Opt(), _Opt()
+    s1 = OptimizerParamScheduler(opt1, 1.0, 0.0, 5, 50, "cosine", 0.0)
+    s1.step(17)
+    s2 = OptimizerParamScheduler(opt2, 1.0, 0.0, 5, 50, "cosine", 0.0)
+    s2.load_state_dict(s1.state_dict())
+    assert opt2.param_groups[0]["lr"] == opt1.param_groups[0]["lr"] and s2.num_steps == 17
+
+
+def test_vocab_padding_follows_megatron():
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(50257, 128, 2) == 50432
+    assert pad_vocab_size(50257, 256, 2) == 50688 == pad_vocab_size(50257, 512, 1) == pad_vocab_size(50257, 128, 4)
+    assert pad_vocab_size(512, 128, 4) == 512
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--data-path", "x"]
+
+
+def _err(capsys, argv, world=1):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + argv, world_size=world)
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,world,needle", [
+    (["--global-batch-size", "7"], 2, "--global-batch-size (7) must be a multiple of --micro-batch-size (2)"),
+    (["--tensor-model-parallel-size", "3"], 6, "--num-attention-heads (4) must be divisible by"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers (2) must be divisible by --pipeline-model-parallel-size"),
+    (["--bf16", "--fp16"], 1, "only one of --bf16 and --fp16"),
+    (["--train-samples", "100"], 1, "exactly one of --train-iters and --train-samples"),
+    (["--lr-decay-style", "step"], 1, "--lr-decay-style"),
+    (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in [0, 1)"),
+    (["--recompute-granularity", "full"], 1, "--recompute-method"),
+    (["--num-experts", "8"], 1, "--num-experts is a Megatron-LM flag this framework does not support"),
+    (["--position-embedding-type", "rope"], 1, "--position-embedding-type rope is not supported"),
+    (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "18",
+      "--max-position-embeddings", "18"], 4, "--seq-length (18) must be divisible"),
+])
+def test_bad_flags_are_named(capsys, argv, world, needle):
+    assert needle in _err(capsys, argv, world)
+
+
+def test_derived_values():
+    a = parse_args(BASE + ["--global-batch-size", "16", "--lr-warmup-fraction", "0.2"], world_size=2)
+    assert (a.data_parallel_size, a.num_microbatches, a.ffn_hidden_size) == (2, 4, 128)
+    assert (a.lr_decay_iters, a.lr_warmup_iters, a.max_position_embeddings) == (10, 2, 16)
+    b = parse_args([x for x in BASE if x not in ("--train-iters", "10")] + ["--train-samples", "40"], world_size=1)
+    assert b.train_iters == 20
+
+
+def test_flops_formula_matches_megatron_per_token_count():
+    class A:
+        hidden_size, num_layers, seq_length, ffn_hidden_size, padded_vocab_size = 2048, 24, 2048, 8192, 50304
+    per_token = 72 * 24 * 2048**2 + 12 * 24 * 2048 * 2048 + 6 * 2048 * 50304
+    assert num_floating_point_operations(A, 8) == pytest.approx(per_token * 8 * 2048)
+
+
+def test_iteration_line_has_megatron_fields():
+    line = format_iteration_line(100, 1000, 12800, 123.45, 1.5e-4, 128, {"lm loss": 5.123456}, 1.0, 1.2345,
+                                 0, 0, tflops_per_gpu=45.6, tokens_per_sec_per_gpu=1000.0)
+    pattern = (r" iteration\s+100/\s+1000 \| consumed samples:\s+12800 \| elapsed time per iteration \(ms\): 123\.5 \|"
+               r" throughput per GPU \(TFLOP/s/GPU\): 45\.6 \| tokens per second per GPU: 1000\.0 \|"
+               r" learning rate: 1\.500000E-04 \| global batch size:\s+128 \| lm loss: 5\.123456E\+00 \|"
+               r" loss scale: 1\.0 \| grad norm: 1\.234 \| number of skipped iterations:\s+0 \|"
+               r" number of nan iterations:\s+0 \|$")
+    assert re.search(pattern, line), line
+    ev = format_eval_line("validation loss at iteration 100", {"lm loss": 2.0})
+    assert "lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |" in ev
