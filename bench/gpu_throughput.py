@@ -1,0 +1,442 @@
+"""Throughput and MFU of our trainer against its peers, on identical shapes, in one GPU session.
+
+Trainers (``--trainers``, comma-separated):
+  ours              pretrain_gpt.py as a subprocess on a real .bin/.idx dataset; its iteration log lines are parsed
+                    and the first ``--warmup`` iterations skipped
+  hf-gpt2           Hugging Face transformers GPT2LMHeadModel, SDPA attention, bf16 autocast, fused AdamW
+  minimal-eager     bench/minimal_gpt.py (SDPA, bf16 autocast, fused AdamW)
+  minimal-compiled  the same under torch.compile
+Shapes (``--shapes``): ``1.3b`` (24 layers, h 2048, 16 heads, seq 2048, micro-batch 8) and ``124m`` (12 layers,
+h 768, 12 heads, seq 1024, micro-batch 16); vocabulary 50,304, bf16, AdamW, dropout 0, clip-grad 1.0.
+
+MFU = tokens/s x (72 L h^2 + 12 L h s + 6 h V) / 989e12 (Megatron's model FLOPs per token, no recompute).
+Each trainer/shape runs in its own process so peak memory (torch.cuda.max_memory_allocated) is its own.
+Writes ``bench/results/gpu_throughput[_TAG].json`` (rows with the keys trainer, num_layers, hidden_size,
+seq_length, micro_batch_size, ms_per_iter, tokens_per_s, mfu, peak_mem_gib, command) and a Markdown table
+beside it, with the GPU, software versions, date and the exact command.
+
+    python bench/gpu_throughput.py                                   # everything
+    python bench/gpu_throughput.py --trainers hf-gpt2,minimal-eager,minimal-compiled --shapes 124m,1.3b
+    python bench/gpu_throughput.py --trainers ours --ours-args "--use-torch-compile" --tag compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+PEAK_FLOPS = 989e12
+VOCAB = 50304
+SHAPES = {
+    "1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16, seq_length=2048, micro_batch_size=8),
+    "124m": dict(num_layers=12, hidden_size=768, num_heads=12, seq_length=1024, micro_batch_size=16),
+}
+TRAINERS = ("hf-gpt2", "minimal-eager", "minimal-compiled", "ours")
+# Flags our trainer gets on top of the shape; --ours-args appends (later flags win in argparse).
+OURS_BASE_ARGS = (
+    "--bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 "
+    "--adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 "
+    "--tokenizer-type GPT2BPETokenizer --make-vocab-size-divisible-by 128 --split 100,0,0 --eval-iters 0 "
+    "--log-interval 1 --log-throughput --seed 1234"
+)
+
+
+def flops_per_token(L: int, h: int, s: int, V: int = VOCAB) -> float:
+    return 72 * L * h * h + 12 * L * h * s + 6 * h * V
+
+
+def mfu(tokens_per_s: float, L: int, h: int, s: int) -> float:
+    return tokens_per_s * flops_per_token(L, h, s) / PEAK_FLOPS
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# peers (run in a child process: ``--worker TRAINER --shape NAME``)
+# ---------------------------------------------------------------------------------------------------------------
+def _hf_model(shape: dict):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=shape["seq_length"], n_embd=shape["hidden_size"],
+                     n_layer=shape["num_layers"], n_head=shape["num_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = GPT2LMHeadModel(cfg)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != "sdpa":
+        raise RuntimeError(f"transformers picked attention implementation {impl!r}, not sdpa")
+    return model
+
+
+def run_worker(trainer: str, shape_name: str, iters: int, warmup: int) -> dict:
+    import torch
+    from minimal_gpt import MinimalGPT, train_and_time
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    shape = SHAPES[shape_name]
+    if trainer == "hf-gpt2":
+        model = _hf_model(shape)
+        step = lambda idx, tgt: model(input_ids=idx, labels=idx).loss  # noqa: E731 (HF shifts labels itself)
+    else:
+        with torch.device("cuda"):
+            model = MinimalGPT(shape["num_layers"], shape["hidden_size"], shape["num_heads"],
+                               shape["seq_length"], VOCAB)
+        step = torch.compile(model) if trainer == "minimal-compiled" else model
+    res = train_and_time(model, step, VOCAB, shape["seq_length"], shape["micro_batch_size"], iters, warmup)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ours: dataset + pretrain_gpt.py subprocess + log parsing
+# ---------------------------------------------------------------------------------------------------------------
+def prepare_dataset(workdir: str) -> str:
+    """Tokenise the bundled corpus with tools/preprocess_data.py; return the .bin/.idx prefix."""
+    prefix = os.path.join(workdir, "bench_text_document")
+    if os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"):
+        return prefix
+    src = os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz")
+    jsonl = os.path.join(workdir, "corpus.jsonl")
+    with gzip.open(src, "rb") as fin, open(jsonl, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+    out_prefix = os.path.join(workdir, "bench")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl,
+           "--output-prefix", out_prefix, "--tokenizer-type", "GPT2BPETokenizer",
+           "--vocab-file", os.path.join(ROOT, "data", "gpt2-vocab.json"),
+           "--merge-file", os.path.join(ROOT, "data", "gpt2-merges.txt"), "--append-eod", "--workers", "4"]
+    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    if not os.path.exists(prefix + ".bin"):
+        raise RuntimeError(f"preprocess_data.py did not write {prefix}.bin")
+    return prefix
+
+
+def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, extra: str) -> list:
+    s = shape
+    args = (f"--num-layers {s['num_layers']} --hidden-size {s['hidden_size']} --num-attention-heads {s['num_heads']} "
+            f"--seq-length {s['seq_length']} --max-position-embeddings {s['seq_length']} "
+            f"--micro-batch-size {s['micro_batch_size']} --global-batch-size {s['micro_batch_size']} "
+            f"--train-iters {iters + warmup} --data-path {data_prefix} "
+            f"--vocab-file {os.path.join(ROOT, 'data', 'gpt2-vocab.json')} "
+            f"--merge-file {os.path.join(ROOT, 'data', 'gpt2-merges.txt')} {OURS_BASE_ARGS} {extra}")
+    return [sys.executable, os.path.join(ROOT, "bench", "gpu_throughput.py"), "--run-ours", "--",
+            os.path.join(ROOT, "pretrain_gpt.py")] + shlex.split(args)
+
+
+ITER_RE = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+).*?elapsed time per iteration \(ms\):\s*([0-9.]+)"
+                     r"(?:.*?throughput per GPU \(TFLOP/s/GPU\):\s*([0-9.]+))?")
+LOSS_RE = re.compile(r"lm loss:\s*([0-9.Ee+-]+)")
+
+
+def parse_ours_log(text: str, warmup: int) -> dict:
+    iters = []
+    for line in text.splitlines():
+        m = ITER_RE.search(line)
+        if m:
+            loss = LOSS_RE.search(line)
+            iters.append((int(m.group(1)), float(m.group(3)), float(m.group(4)) if m.group(4) else None,
+                          float(loss.group(1)) if loss else None))
+    timed = [it for it in iters if it[0] > warmup]
+    if not timed:
+        raise RuntimeError(f"no iteration log lines after warm-up {warmup} (found {len(iters)})")
+    ms = sum(t[1] for t in timed) / len(timed)
+    tfl = [t[2] for t in timed if t[2] is not None]
+    peak = re.findall(r"BENCH_PEAK_MEM_BYTES\s+(\d+)", text)
+    return {"ms_per_iter": ms, "log_tflops": sum(tfl) / len(tfl) if tfl else None,
+            "peak_mem_gib": int(peak[-1]) / 2**30 if peak else None,
+            "losses": [t[3] for t in iters]}
+
+
+def run_ours_wrapper(argv: list) -> None:
+    """Run pretrain_gpt.py in this process and print its peak allocated memory at exit.
+
+    With BENCH_PROFILE=start:count, iterations [start, start+count) of Trainer.train_step are recorded with
+    torch.profiler and a kernel table plus a Chrome trace are written to BENCH_PROFILE_DIR.
+    """
+    import atexit
+    import runpy
+
+    import torch
+
+    def _report():
+        if torch.cuda.is_available():
+            print(f"BENCH_PEAK_MEM_BYTES {torch.cuda.max_memory_allocated()}", flush=True)
+
+    atexit.register(_report)
+    prof_spec = os.environ.get("BENCH_PROFILE")
+    if prof_spec:
+        from megatron.training import training as training_mod
+
+        start, count = (int(x) for x in prof_spec.split(":"))
+        out_dir = os.environ.get("BENCH_PROFILE_DIR", ".")
+        original = training_mod.Trainer.train_step
+        state = {"n": 0, "prof": None}
+
+        def train_step(self):
+            state["n"] += 1
+            if state["n"] == start:
+                state["prof"] = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                state["prof"].__enter__()
+            out = original(self)
+            if state["prof"] is not None and state["n"] == start + count - 1:
+                torch.cuda.synchronize()
+                prof = state["prof"]
+                prof.__exit__(None, None, None)
+                state["prof"] = None
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
+                with open(os.path.join(out_dir, "profile_ours.txt"), "w") as f:
+                    f.write(table)
+                prof.export_chrome_trace(os.path.join(out_dir, "trace_ours.json"))
+                print(table, flush=True)
+            return out
+
+        training_mod.Trainer.train_step = train_step
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def run_ours(shape_name: str, iters: int, warmup: int, data_prefix: str, extra: str, log_dir: str) -> dict:
+    cmd = ours_command(SHAPES[shape_name], iters, warmup, data_prefix, extra)
+    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = proc.stdout
+    if log_dir:
+        with open(os.path.join(log_dir, f"ours_{shape_name}.log"), "w") as f:
+            f.write(log)
+    if proc.returncode != 0:
+        print(log[-6000:], flush=True)
+        raise RuntimeError(f"pretrain_gpt.py exited with {proc.returncode}")
+    res = parse_ours_log(log, warmup)
+    res["wall_s"] = time.time() - t0
+    res["command"] = "python pretrain_gpt.py " + " ".join(shlex.quote(c) for c in cmd[5:])
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernel micro-benchmark (``--kernels``): each fused op against its eager and compiled reference, fwd+bwd
+# ---------------------------------------------------------------------------------------------------------------
+def run_kernel_bench(results_dir: str) -> list:
+    import torch
+    import triton.testing
+
+    from megatron.core.fusions import ops
+    from megatron.core.fusions.cross_entropy import cross_entropy_reference, fused_vocab_cross_entropy
+
+    torch.manual_seed(0)
+    s, b, h, dt = 2048, 8, 2048, torch.bfloat16  # the 1.3B shape
+    dev = "cuda"
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt).requires_grad_()
+
+    x4, b4 = leaf(s, b, 4 * h), leaf(4 * h)
+    xh, bh, rh, wh = leaf(s, b, h), leaf(h), leaf(s, b, h), leaf(h)
+    cases = {
+        "bias_gelu [s,b,4h]": ((x4, b4), lambda f: lambda: f(x4, b4), ops.bias_gelu, ops.bias_gelu_reference,
+                               3 * x4.numel() * 2),
+        "bias_dropout_add p=0 [s,b,h]": ((xh, bh, rh), lambda f: lambda: f(xh, bh, rh, 0.0, True),
+                                         ops.bias_dropout_add, ops.bias_dropout_add_reference, 5 * xh.numel() * 2),
+        "bias_dropout_add p=0.1 [s,b,h]": ((xh, bh, rh), lambda f: lambda: f(xh, bh, rh, 0.1, True),
+                                           ops.bias_dropout_add, ops.bias_dropout_add_reference, 5 * xh.numel() * 2),
+        "layer_norm [s,b,h]": ((xh, wh, bh), lambda f: lambda: f(xh, wh, bh, 1e-5), ops.layer_norm,
+                               ops.layer_norm_reference, 5 * xh.numel() * 2),
+    }
+    rows = []
+    for name, (inputs, mk, fused, ref, min_bytes) in cases.items():
+        grad = None
+        timings = {}
+        for label, fn in (("fused", fused), ("eager", ref), ("compiled", torch.compile(ref))):
+            call = mk(fn)
+            out = call()
+            grad = torch.randn_like(out)
+
+            def fwd_bwd(call=call):
+                for t in inputs:
+                    t.grad = None
+                call().backward(grad)
+
+            timings[label] = triton.testing.do_bench(fwd_bwd, warmup=50, rep=300, return_mode="median")
+        rows.append({"op": name, **{f"{k}_ms": round(v, 4) for k, v in timings.items()},
+                     "floor_ms": round(min_bytes / 4.3e12 * 1e3, 4)})
+        print(rows[-1], flush=True)
+    # vocabulary cross-entropy: time and peak memory beyond the logits
+    v = 50304
+    logits0 = torch.randn(s, b, v, device=dev, dtype=dt)
+    target = torch.randint(0, v, (s, b), device=dev)
+    for label, fn in (("fused", lambda lg: fused_vocab_cross_entropy(lg, target)),
+                      ("eager", lambda lg: cross_entropy_reference(lg, target))):
+        lg = logits0.clone().requires_grad_()
+        def fwd_bwd(lg=lg, fn=fn):
+            lg.grad = None
+            fn(lg).sum().backward()
+        ms = triton.testing.do_bench(fwd_bwd, warmup=5, rep=100, return_mode="median")
+        lg.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+        rows.append({"op": f"vocab cross-entropy [s,b,V] {label}", f"{label}_ms": round(ms, 3),
+                     "extra_peak_gib": round(extra, 3), "floor_ms": round(3 * lg.numel() * 2 / 4.3e12 * 1e3, 4)})
+        print(rows[-1], flush=True)
+        del lg
+    env = environment()
+    with open(os.path.join(results_dir, "gpu_kernels.json"), "w") as f:
+        json.dump({"env": env, "shape": {"s": s, "b": b, "h": h, "dtype": "bf16"}, "rows": rows}, f, indent=2)
+    md = [f"# Fused kernels, forward+backward, median ms ({env['gpu']}, torch {env['torch']}, triton "
+          f"{env['triton']})", "", "s=2048, b=8, h=2048, bf16. floor = minimal bytes / 4.3 TB/s.", "",
+          "| op | fused | eager reference | compiled reference | floor | extra peak (GiB) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['op']} | {r.get('fused_ms', '')} | {r.get('eager_ms', '')} | {r.get('compiled_ms', '')} | "
+                  f"{r['floor_ms']} | {r.get('extra_peak_gib', '')} |")
+    with open(os.path.join(results_dir, "gpu_kernels.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------------------------
+def environment() -> dict:
+    import torch
+
+    env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    for mod in ("triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = "not installed"
+    return env
+
+
+def make_row(trainer: str, shape_name: str, res: dict, command: str) -> dict:
+    s = SHAPES[shape_name]
+    tokens = s["micro_batch_size"] * s["seq_length"] / (res["ms_per_iter"] / 1000)
+    return {"trainer": trainer, "num_layers": s["num_layers"], "hidden_size": s["hidden_size"],
+            "seq_length": s["seq_length"], "micro_batch_size": s["micro_batch_size"],
+            "ms_per_iter": round(res["ms_per_iter"], 2), "tokens_per_s": round(tokens, 1),
+            "mfu": round(mfu(tokens, s["num_layers"], s["hidden_size"], s["seq_length"]), 4),
+            "peak_mem_gib": None if res.get("peak_mem_gib") is None else round(res["peak_mem_gib"], 2),
+            "command": command}
+
+
+def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
+    with open(path_json, "w") as f:
+        json.dump({**meta, "rows": rows, "extras": extras}, f, indent=2)
+    md = [f"# GPU throughput ({meta['date']})", "",
+          f"GPU: {meta['env']['gpu']}; torch {meta['env']['torch']} (CUDA {meta['env']['cuda']}), "
+          f"triton {meta['env']['triton']}, transformers {meta['env']['transformers']}, "
+          f"Python {meta['env']['python']}.", "",
+          f"Command: `{meta['command']}`", "",
+          "MFU = tokens/s x (72 L h^2 + 12 L h s + 6 h V) / 989e12, V = 50304; bf16, AdamW, dropout 0.", "",
+          "| trainer | layers | hidden | seq | micro-batch | ms/iter | tokens/s | MFU | log TFLOP/s | peak mem (GiB) |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        key = f"{r['trainer']}/{r['num_layers']}x{r['hidden_size']}"
+        tfl = extras.get("log_tflops", {}).get(key)
+        tfl_s = "" if tfl is None else f"{tfl:.1f}"
+        mem_s = "" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+        md.append(f"| {r['trainer']} | {r['num_layers']} | {r['hidden_size']} | {r['seq_length']} | "
+                  f"{r['micro_batch_size']} | {r['ms_per_iter']:.1f} | {r['tokens_per_s']:,.0f} | "
+                  f"{100 * r['mfu']:.1f}% | {tfl_s} | {mem_s} |")
+    md += ["", "Per-row commands:", ""] + [f"- {r['trainer']} {r['num_layers']}x{r['hidden_size']}: `{r['command']}`"
+                                           for r in rows]
+    with open(path_json[:-5] + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--run-ours":
+        run_ours_wrapper(sys.argv[3:] if sys.argv[2] == "--" else sys.argv[2:])
+        return
+    ap = argparse.ArgumentParser(description="Throughput/MFU of our trainer and its peers on one GPU.")
+    ap.add_argument("--trainers", default=",".join(TRAINERS))
+    ap.add_argument("--shapes", default="1.3b,124m")
+    ap.add_argument("--iters", type=int, default=15, help="timed iterations")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed warm-up iterations (compilation included)")
+    ap.add_argument("--ours-args", default="", help="extra flags for pretrain_gpt.py")
+    ap.add_argument("--data-prefix", default=None, help=".bin/.idx prefix (default: preprocess data/ corpus)")
+    ap.add_argument("--tag", default="", help="write gpu_throughput_TAG.{json,md} instead of the main table")
+    ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--log-dir", default=None, help="where to keep our trainer's full logs")
+    ap.add_argument("--kernels", action="store_true", help="also time the fused kernels (gpu_kernels.{json,md})")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print("BENCH_RESULT " + json.dumps(run_worker(a.worker, a.shape, a.iters, a.warmup)), flush=True)
+        return
+    os.makedirs(a.results_dir, exist_ok=True)
+    if a.kernels:
+        run_kernel_bench(a.results_dir)
+    trainers = [t for t in a.trainers.split(",") if t]
+    shapes = [s for s in a.shapes.split(",") if s]
+    for t in trainers:
+        if t not in TRAINERS:
+            raise ValueError(f"--trainers: unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    command = "python bench/gpu_throughput.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "env": environment(), "command": command}
+    os.makedirs(a.results_dir, exist_ok=True)
+    out_json = os.path.join(a.results_dir, f"gpu_throughput{'_' + a.tag if a.tag else ''}.json")
+    rows, extras = [], {"log_tflops": {}, "losses": {}, "errors": {}}
+    data_prefix = a.data_prefix
+    workdir = tempfile.mkdtemp(prefix="bench_data_")
+    for shape_name in shapes:
+        for trainer in trainers:
+            key = f"{trainer}/{SHAPES[shape_name]['num_layers']}x{SHAPES[shape_name]['hidden_size']}"
+            t0 = time.time()
+            try:
+                if trainer == "ours":
+                    data_prefix = data_prefix or prepare_dataset(workdir)
+                    res = run_ours(shape_name, a.iters, a.warmup, data_prefix, a.ours_args, a.log_dir)
+                    cmd = res["command"]
+                    extras["log_tflops"][key] = res["log_tflops"]
+                    extras["losses"][key] = res["losses"]
+                else:
+                    argv = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "--shape", shape_name,
+                            "--iters", str(a.iters), "--warmup", str(a.warmup)]
+                    proc = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True)
+                    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
+                    if proc.returncode != 0 or not found:
+                        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+                    res = json.loads(found[-1][len("BENCH_RESULT "):])
+                    cmd = (f"python bench/gpu_throughput.py --worker {trainer} --shape {shape_name} "
+                           f"--iters {a.iters} --warmup {a.warmup}")
+            except Exception as exc:  # keep measuring the others; the failure is recorded
+                print(f"!! {key} failed: {exc}", flush=True)
+                extras["errors"][key] = str(exc)[-2000:]
+                continue
+            row = make_row(trainer, shape_name, res, cmd)
+            rows.append(row)
+            print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
+                  f"MFU {100 * row['mfu']:.1f}%, peak {row['peak_mem_gib']} GiB ({time.time() - t0:.0f} s)",
+                  flush=True)
+            write_results(out_json, meta, rows, extras)
+    write_results(out_json, meta, rows, extras)
+    print(open(out_json[:-5] + ".md").read())
+
+
+if __name__ == "__main__":
+    main()
