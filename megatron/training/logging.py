@@ -30,7 +30,8 @@ def format_iteration_line(
              f" consumed samples: {consumed_samples:12d} |",
              f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"]
     if tflops_per_gpu is not None:
-        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |")
+        prec = 1 if tflops_per_gpu >= 1.0 else 3  # keep CPU-sized numbers readable
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.{prec}f} |")
     if tokens_per_sec_per_gpu is not None:
         parts.append(f" tokens per second per GPU: {tokens_per_sec_per_gpu:.1f} |")
     parts.append(f" learning rate: {lr:.6E} |")

@@ -1,0 +1,99 @@
+"""Run pretrain_gpt.py (plain or under torchrun, gloo on CPU) and read its iteration log lines."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([-+0-9.eE]+|nan|inf) \|.*? loss scale: ([0-9.]+) \|"
+                  r"(?: grad norm: ([-+0-9.eE]+|nan|inf) \|)? number of skipped iterations:\s+(\d+) \|"
+                  r" number of nan iterations:\s+(\d+) \|")
+
+
+def preprocess_quickstart_corpus(out_dir: str) -> str:
+    """Tokenise the bundled corpus with the GPT-2 BPE; returns the dataset prefix."""
+    prefix = os.path.join(out_dir, "corpus")
+    if not os.path.exists(prefix + "_text_document.idx"):
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools/preprocess_data.py"), "--input",
+             os.path.join(ROOT, "data/tinyshakespeare.jsonl.gz"), "--output-prefix", prefix,
+             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(ROOT, "data/gpt2-vocab.json"),
+             "--merge-file", os.path.join(ROOT, "data/gpt2-merges.txt"), "--append-eod", "--workers", "1"],
+            check=True, capture_output=True, text=True)
+    return prefix + "_text_document"
+
+
+def gpt_args(data_prefix: str, tp: int = 1, **overrides) -> List[str]:
+    """A tiny fp32, dropout-free GPT whose padded vocabulary is the same at every TP size."""
+    opts: Dict[str, object] = {
+        "num-layers": 4, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 32,
+        "max-position-embeddings": 32, "micro-batch-size": 2, "global-batch-size": 8, "train-iters": 10,
+        "lr": 3e-3, "min-lr": 3e-4, "lr-decay-style": "cosine", "lr-warmup-iters": 2, "weight-decay": 0.1,
+        "clip-grad": 1.0, "attention-dropout": 0.0, "hidden-dropout": 0.0, "seed": 1234, "log-interval": 1,
+        "eval-iters": 0, "make-vocab-size-divisible-by": 512 // tp, "tensor-model-parallel-size": tp,
+        "data-path": data_prefix, "split": "98,2,0", "vocab-file": os.path.join(ROOT, "data/gpt2-vocab.json"),
+        "merge-file": os.path.join(ROOT, "data/gpt2-merges.txt"), "num-workers": 0, "attention-backend": "unfused",
+    }
+    opts.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    argv: List[str] = []
+    for key, value in opts.items():
+        if value is None or value is False:
+            continue
+        argv.append(f"--{key}")
+        if value is not True:
+            argv.append(str(value))
+    return argv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pretrain(argv: List[str], nproc: int = 1, timeout: int = 600, expect_ok: bool = True,
+                 script: str = "pretrain_gpt.py", env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
+    cmd += [os.path.join(ROOT, script)] + argv
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def parse_iterations(stdout: str) -> Dict[int, dict]:
+    """{iteration: {"lm loss", "loss scale", "grad norm", "skipped", "nan"}} from the log lines."""
+    out = {}
+    for m in LINE.finditer(stdout):
+        out[int(m.group(1))] = {
+            "lm loss": float(m.group(2)), "loss scale": float(m.group(3)),
+            "grad norm": None if m.group(4) is None else float(m.group(4)),
+            "skipped": int(m.group(5)), "nan": int(m.group(6)),
+        }
+    return out
+
+
+def losses(argv: List[str], nproc: int = 1, **kw) -> Dict[int, dict]:
+    proc = run_pretrain(argv, nproc=nproc, **kw)
+    its = parse_iterations(proc.stdout)
+    if not its:
+        raise AssertionError(f"no iteration lines in output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return its
+
+
+def assert_same_losses(a: Dict[int, dict], b: Dict[int, dict], rel: float = 1e-5, keys=("lm loss",)) -> None:
+    """Every iteration's values agree to ``rel`` relative difference (5 significant digits by default)."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for it in sorted(a):
+        for key in keys:
+            x, y = a[it][key], b[it][key]
+            assert abs(x - y) <= rel * max(abs(x), abs(y)), f"iteration {it} {key}: {x} vs {y}"
