@@ -73,9 +73,12 @@ def _hf_model(shape: dict):
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=shape["seq_length"], n_embd=shape["hidden_size"],
                      n_layer=shape["num_layers"], n_head=shape["num_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, use_cache=False)
-    cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = GPT2LMHeadModel(cfg)
+        try:
+            model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+        except (TypeError, AttributeError, ValueError):
+            cfg._attn_implementation = "sdpa"
+            model = GPT2LMHeadModel(cfg)
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != "sdpa":
         raise RuntimeError(f"transformers picked attention implementation {impl!r}, not sdpa")
@@ -311,6 +314,78 @@ def run_kernel_bench(results_dir: str) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# model probe (``--probe``): our GPTModel alone, forward+backward, in several configurations, plus a profile
+# ---------------------------------------------------------------------------------------------------------------
+PROBE_VARIANTS = {
+    "eager-fused": dict(use_fused_kernels=True, compile=False, fused_ce=True),
+    "eager-unfused": dict(use_fused_kernels=False, compile=False, fused_ce=False),
+    "compiled": dict(use_fused_kernels=True, compile=True, fused_ce=True),
+    "compiled-selective": dict(use_fused_kernels=True, compile=True, fused_ce=True, recompute="selective"),
+}
+
+
+def run_model_probe(shape_name: str, variant: str, iters: int, warmup: int, profile_path: str = "") -> dict:
+    """Time our GPTModel's forward+backward (bf16 parameters, no optimizer) on random tokens."""
+    import torch
+
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.parallel_state import ParallelState
+    from megatron.core.transformer.config import TransformerConfig
+
+    v = PROBE_VARIANTS[variant]
+    sh = SHAPES[shape_name]
+    pstate = ParallelState.single()
+    tensor_parallel.model_parallel_seed(1234, pstate)
+    cfg = TransformerConfig(num_layers=sh["num_layers"], hidden_size=sh["hidden_size"],
+                            num_attention_heads=sh["num_heads"], seq_length=sh["seq_length"],
+                            padded_vocab_size=VOCAB, attention_dropout=0.0, hidden_dropout=0.0,
+                            params_dtype=torch.bfloat16, use_fused_kernels=v["use_fused_kernels"],
+                            recompute_granularity=v.get("recompute"))
+    model = GPTModel(cfg, pstate, use_torch_compile=v["compile"], fused_cross_entropy=v["fused_ce"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    b, sq = sh["micro_batch_size"], sh["seq_length"]
+    pos = torch.arange(sq, device="cuda").unsqueeze(0).expand(b, sq)
+
+    def step():
+        data = torch.randint(0, VOCAB, (b, sq + 1), device="cuda")
+        loss = model(data[:, :-1], pos, data[:, 1:].contiguous()).float().mean()
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    ms = 1000 * (time.perf_counter() - t0) / iters
+    res = {"variant": variant, "shape": shape_name, "fwd_bwd_ms": round(ms, 2),
+           "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    if profile_path:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        with open(profile_path, "w") as f:
+            f.write(f"{variant} {shape_name}: {res}\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------------------------
 def environment() -> dict:
@@ -377,15 +452,20 @@ def main() -> None:
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--log-dir", default=None, help="where to keep our trainer's full logs")
     ap.add_argument("--kernels", action="store_true", help="also time the fused kernels (gpu_kernels.{json,md})")
+    ap.add_argument("--probe", default="", help="comma list of SHAPE:VARIANT[:profile] model probes "
+                    f"(variants: {', '.join(PROBE_VARIANTS)}); results in model_probe.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker == "probe":
+        shape_name, variant, *prof = a.shape.split(":")
+        path = os.path.join(a.results_dir, f"profile_{shape_name}_{variant}.txt") if prof else ""
+        print("BENCH_RESULT " + json.dumps(run_model_probe(shape_name, variant, a.iters, a.warmup, path)), flush=True)
+        return
     if a.worker:
         print("BENCH_RESULT " + json.dumps(run_worker(a.worker, a.shape, a.iters, a.warmup)), flush=True)
         return
     os.makedirs(a.results_dir, exist_ok=True)
-    if a.kernels:
-        run_kernel_bench(a.results_dir)
     trainers = [t for t in a.trainers.split(",") if t]
     shapes = [s for s in a.shapes.split(",") if s]
     for t in trainers:
@@ -434,8 +514,29 @@ def main() -> None:
                   f"MFU {100 * row['mfu']:.1f}%, peak {row['peak_mem_gib']} GiB ({time.time() - t0:.0f} s)",
                   flush=True)
             write_results(out_json, meta, rows, extras)
-    write_results(out_json, meta, rows, extras)
-    print(open(out_json[:-5] + ".md").read())
+    if rows or extras["errors"]:
+        write_results(out_json, meta, rows, extras)
+        print(open(out_json[:-5] + ".md").read(), flush=True)
+    if a.probe:
+        probes = []
+        for spec in a.probe.split(","):
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", "probe", "--shape", spec, "--iters",
+                    str(a.iters), "--warmup", str(a.warmup), "--results-dir", a.results_dir]
+            env = dict(os.environ)
+            if "compiled" in spec:
+                env.setdefault("TORCH_LOGS", "recompiles,graph_breaks")
+            proc = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=env)
+            with open(os.path.join(a.results_dir, "probe_" + spec.replace(":", "_") + ".log"), "w") as f:
+                f.write(proc.stdout)
+            found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
+            probes.append(json.loads(found[-1][13:]) if found else {"spec": spec, "error": proc.stdout[-3000:]})
+            print("probe", probes[-1], flush=True)
+            with open(os.path.join(a.results_dir, "model_probe.json"), "w") as f:
+                json.dump(probes, f, indent=2)
+
+    if a.kernels:
+        run_kernel_bench(a.results_dir)
 
 
 if __name__ == "__main__":
