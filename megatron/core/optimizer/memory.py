@@ -18,7 +18,7 @@ def optimizer_memory_report(optimizer, model_chunks) -> Dict[str, int]:
     ``main_grads`` the DDP grad buffers (or ``.main_grad``/``.grad`` tensors without DDP), ``main_params`` the
     fp32 copies the optimizer steps (0 when it steps the fp32 model params in place), ``optimizer_state``
     the moment tensors. Before the first step torch optimizers have no state yet; it is then computed from
-    the state the optimizer will create (``optimizer_state_estimated`` tells which).
+    the state the optimizer will create (Adam: two fp32 moments per stepped element; SGD: one momentum).
     """
     params = grads = 0
     seen = set()
@@ -50,13 +50,13 @@ def optimizer_memory_report(optimizer, model_chunks) -> Dict[str, int]:
         per_param = 2 if optimizer.config.optimizer == "adam" else (1 if optimizer.config.sgd_momentum else 0)
         state_bytes = per_param * sum(p.numel() for p in stepped) * 4
     return {"params": params, "main_grads": grads, "optimizer_state": state_bytes, "main_params": main_params,
-            "total": params + grads + state_bytes + main_params, "optimizer_state_estimated": estimated}
+            "total": params + grads + state_bytes + main_params}
 
 
 def format_memory_report(report: Dict[str, int]) -> str:
     """One log line, sizes in MiB."""
     mib = lambda n: f"{n / 2 ** 20:.2f} MiB"  # noqa: E731
-    est = " (estimated before the first step)" if report.get("optimizer_state_estimated") else ""
+    est = ""
     return (f"memory per rank: params {mib(report['params'])} | main grads {mib(report['main_grads'])} | "
             f"optimizer state {mib(report['optimizer_state'])}{est} | main params {mib(report['main_params'])} | "
             f"total {mib(report['total'])}")

@@ -1,0 +1,109 @@
+"""DP=2 and DP=4 training (gloo) matches a single-process run on the same global batch.
+
+Variants: plain all-reduce, overlapped bucketed all-reduce, the distributed optimizer, and the distributed
+optimizer with overlapped buckets and overlapped param all-gather. Also checks that no collective is launched
+under ``no_sync``, that overlap launches every bucket during the last backward, and that the distributed
+optimizer's state summed over DP ranks equals the replicated optimizer's.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DDPConfig, DistributedDataParallel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, optimizer_memory_report
+from megatron.core.parallel_state import ParallelState
+from tests.dist_utils import run_distributed
+from tests.unit.distributed.dp_tiny import dp_train, make_model, reference_run
+
+STEPS = 4
+VARIANTS = {
+    "allreduce": (dict(), dict()),
+    "overlap_small_buckets": (dict(overlap_grad_reduce=True, bucket_size=100), dict()),
+    "distopt": (dict(use_distributed_optimizer=True), dict(use_distributed_optimizer=True)),
+    "distopt_overlap": (dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=100),
+                        dict(use_distributed_optimizer=True, overlap_param_gather=True)),
+}
+
+
+def _overlap_checker(overlap: bool):
+    def check(ddp, phase):
+        handles = [b.grad_handle for b in ddp.buckets()]
+        if phase == "accumulated":  # only no_sync microbatches so far: nothing may have been launched
+            assert all(h is None for h in handles)
+        elif overlap:  # every bucket's grads were final during the last backward: all launched
+            assert len(handles) > 1 and all(h is not None for h in handles)
+        else:
+            assert all(h is None for h in handles)
+    return check
+
+
+def _body(rank, world):
+    pstate = ParallelState.build(1, 1)
+    assert pstate.dp_size == world
+    ref_model, _, ref_norms = reference_run(STEPS)
+    state_bytes = {}
+    for name, (ddp_kw, opt_kw) in VARIANTS.items():
+        ddp = DistributedDataParallel(make_model(), pstate=pstate, config=DDPConfig(**ddp_kw))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, **opt_kw), [ddp], pstate)
+        norms = dp_train(ddp, opt, pstate, STEPS, microbatches=2,
+                         check_overlap=_overlap_checker(ddp_kw.get("overlap_grad_reduce", False)))
+        ddp.finish_param_sync()
+        for n, r in zip(norms, ref_norms):
+            assert abs(n - r) <= 1e-6 * max(1.0, abs(r)), (name, norms, ref_norms)
+        for (pname, p), (_, q) in zip(ddp.named_parameters(), ref_model.named_parameters()):
+            err = (p - q).abs().max().item()
+            assert err < 2e-6, (name, pname, err)
+        # no prefix: checkpoint keys are the inner module's
+        assert list(ddp.state_dict().keys()) == list(ref_model.state_dict().keys())
+        state_bytes[name] = optimizer_memory_report(opt, [ddp])["optimizer_state"]
+    # the shards of the distributed optimizer's state add up to exactly one replica's state
+    total = torch.tensor([state_bytes["distopt"]], dtype=torch.float64)
+    dist.all_reduce(total)
+    assert int(total.item()) == state_bytes["allreduce"]
+    assert state_bytes["distopt"] < state_bytes["allreduce"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_matches_single_process(world):
+    run_distributed(_body, world)
+
+
+def _no_sync_body(rank, world):
+    """Under no_sync grads stay local; finish_grad_sync then yields the DP mean of the accumulated grads."""
+    pstate = ParallelState.build(1, 1)
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 3), pstate=pstate,
+                                  config=DDPConfig(overlap_grad_reduce=True, bucket_size=5))
+    with ddp.no_sync():
+        for _ in range(2):  # two local microbatches, scaled by (rank + 1)
+            ddp(torch.ones(2, 4)).sum().mul(rank + 1).backward()
+    assert all(b.grad_handle is None for b in ddp.buckets())
+    assert ddp.module.weight.grad is None  # moved into main_grad
+    torch.testing.assert_close(ddp.module.weight.main_grad, torch.full((3, 4), 4.0 * (rank + 1)))
+    ddp.finish_grad_sync()
+    mean = 4.0 * sum(r + 1 for r in range(world)) / world
+    torch.testing.assert_close(ddp.module.weight.main_grad, torch.full((3, 4), mean))
+    torch.testing.assert_close(ddp.module.bias.main_grad, torch.full((3,), mean))
+    ddp.zero_grad_buffer()
+    assert ddp.module.weight.main_grad.abs().sum() == 0
+
+
+def test_no_sync_and_mean():
+    run_distributed(_no_sync_body, 2)
+
+
+def test_bucket_layout_single_process():
+    """Reverse order, buckets of at least bucket_size elements, padding to 128*DP under the distributed optimizer."""
+    model = make_model()
+    ddp = DistributedDataParallel(model, pstate=ParallelState.single(), config=DDPConfig(bucket_size=300))
+    buf = ddp.buffers[0]
+    assert buf.params[0] is model.head.bias and buf.params[-1] is model.fc1.weight
+    assert all(b.numel >= 300 for b in buf.buckets[:-1])
+    assert sum(b.numel for b in buf.buckets) == sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        assert p.main_grad.shape == p.shape and p.main_grad.data_ptr() >= buf.grad_data.data_ptr()
+    sharded = DistributedDataParallel(make_model(), pstate=ParallelState.single(),
+                                      config=DDPConfig(bucket_size=300, use_distributed_optimizer=True))
+    assert all(b.numel % 128 == 0 for b in sharded.buffers[0].buckets)
+    with pytest.raises(ValueError, match="--ddp-bucket-size"):
+        DDPConfig(bucket_size=0)
