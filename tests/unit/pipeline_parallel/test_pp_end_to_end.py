@@ -1,0 +1,147 @@
+"""Pipelined schedules on real processes (gloo): losses and gradients equal the single-process reference.
+
+The toy model is a stack of Linear+tanh layers split into stages with ``layers_for_stage``; each test body
+runs several layouts in one process group to keep the number of spawned worlds small.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.parallel_state import ParallelState
+from megatron.core.pipeline_parallel.partition import layers_for_stage
+from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining, get_forward_backward_func
+from tests.dist_utils import run_distributed
+from tests.unit.pipeline_parallel.toy_model import (
+    HIDDEN, MBS, SEQ, ToyStage, forward_step_func, full_layers, make_batches, reference_step,
+)
+
+ATOL = 1e-6
+
+
+def _build_chunks(layers, pstate, num_chunks):
+    chunks = []
+    for c in range(num_chunks):
+        offset, count = layers_for_stage(len(layers), pstate.pp_size, pstate.pp_rank,
+                                         num_chunks if num_chunks > 1 else None, c)
+        stage = c * pstate.pp_size + pstate.pp_rank
+        chunks.append(ToyStage(layers, offset, count, stage == 0, stage == pstate.pp_size * num_chunks - 1))
+    return chunks
+
+
+def _check_grads(chunks, ref_grads, scale=1.0):
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            i, rest = name.split(".")[1], name.split(".", 2)[2]
+            ref = ref_grads[f"layers.{chunk.offset + int(i)}.{rest}"]
+            torch.testing.assert_close(p.grad, scale * ref, rtol=0, atol=ATOL, msg=f"grad of {name}")
+
+
+class SyncLog:
+    """One no_sync factory per chunk that records, per backward, whether the chunk was inside no_sync."""
+
+    def __init__(self, chunks):
+        self.inside = [False] * len(chunks)
+        self.log = [[] for _ in chunks]
+        for c, chunk in enumerate(chunks):
+            chunk.register_full_backward_hook(lambda m, gi, go, c=c: self.log[c].append(self.inside[c]))
+
+    def factory(self, c):
+        @contextlib.contextmanager
+        def no_sync():
+            self.inside[c] = True
+            try:
+                yield
+            finally:
+                self.inside[c] = False
+        return no_sync
+
+
+def _run_layout(pstate, num_chunks, num_microbatches, forward_only, num_layers=None):
+    pp = pstate.pp_size
+    layers = full_layers(num_layers or pp * num_chunks)
+    batches = make_batches(num_microbatches)
+    ref_losses, ref_grads = reference_step(layers, batches, backward=not forward_only)
+    chunks = _build_chunks(layers, pstate, num_chunks)
+    scaled = []
+
+    def grad_scale(loss):
+        scaled.append(loss.item())
+        return loss * 2.0
+
+    finalized = []
+    fb = get_forward_backward_func(pstate)
+    assert fb is forward_backward_pipelining
+    model = chunks if num_chunks > 1 else chunks[0]
+    stats = fb(forward_step_func, [iter(batches) for _ in chunks], model, num_microbatches, SEQ, MBS, HIDDEN,
+               torch.float32, pstate, forward_only=forward_only, grad_scale_func=grad_scale,
+               finalize_grads_func=finalized.append)
+    if pstate.is_pipeline_last_stage:
+        assert len(stats) == num_microbatches
+        assert max(abs(s["loss"].item() - l) for s, l in zip(stats, ref_losses)) <= ATOL
+    else:
+        assert stats == []
+    if forward_only:
+        assert finalized == [] and scaled == []
+        assert all(p.grad is None for chunk in chunks for p in chunk.parameters())
+        return
+    assert len(finalized) == 1 and finalized[0] == chunks
+    _check_grads(chunks, ref_grads, scale=2.0)
+    for c, chunk in enumerate(chunks):
+        stage = c * pp + pstate.pp_rank
+        assert chunk.set_input_calls == (0 if stage == 0 else num_microbatches)
+
+
+def _body_pp(rank, world_size, cases):
+    for pp, num_chunks, num_microbatches, forward_only in cases:
+        pstate = ParallelState.build(1, pp, num_chunks if num_chunks > 1 else None)
+        _run_layout(pstate, num_chunks, num_microbatches, forward_only)
+
+
+def test_pp2_plain_and_interleaved():
+    cases = [(2, 1, 4, False), (2, 1, 1, False), (2, 2, 4, False), (2, 2, 2, False), (2, 1, 3, True),
+             (2, 2, 4, True)]
+    run_distributed(_body_pp, 2, (cases,))
+
+
+def _body_dp_pp(rank, world_size, num_microbatches):
+    """DP=2 x PP=2: each replica accumulates its own microbatches; finalize all-reduces once per step."""
+    pstate = ParallelState.build(1, 2)
+    layers = full_layers(4)
+    my_batches = make_batches(num_microbatches, dp_rank=pstate.dp_rank)
+    all_batches = make_batches(num_microbatches, dp_rank=0) + make_batches(num_microbatches, dp_rank=1)
+    _, ref_grads = reference_step(layers, all_batches)  # mean over both replicas' microbatches
+    chunks = _build_chunks(layers, pstate, 2)
+    pstate_v = dataclasses.replace(pstate, vpp_size=2)
+    sync = SyncLog(chunks)
+    calls = []
+
+    def finalize(model):
+        calls.append(len(model))
+        for chunk in model:
+            for p in chunk.parameters():
+                dist.all_reduce(p.grad, group=pstate.dp_group)
+                p.grad /= pstate.dp_size
+
+    stats = forward_backward_pipelining(
+        forward_step_func, [iter(my_batches), iter(my_batches)], chunks, num_microbatches, SEQ, MBS, HIDDEN,
+        torch.float32, pstate_v, no_sync_func=[sync.factory(0), sync.factory(1)], finalize_grads_func=finalize,
+    )
+    assert calls == [2]
+    assert len(stats) == (num_microbatches if pstate.is_pipeline_last_stage else 0)
+    _check_grads(chunks, ref_grads)
+    # every backward of a chunk but its last ran under that chunk's no_sync
+    for log in sync.log:
+        assert log == [True] * (num_microbatches - 1) + [False]
+
+
+def _body_world4(rank, world_size):
+    _body_pp(rank, world_size, [(4, 1, 6, False), (4, 1, 2, False), (4, 2, 4, False), (4, 1, 5, True)])
+    _body_dp_pp(rank, world_size, 4)
+
+
+def test_pp4_and_dp2_pp2_interleaved_finalize_once():
+    """PP=4 (plain, fewer microbatches than stages, interleaved, forward-only), then DP=2 x PP=2 x 2 chunks."""
+    run_distributed(_body_world4, 4)
