@@ -1,0 +1,73 @@
+"""Save / stop / resume gives the losses of an uninterrupted run; bad checkpoints fail clearly."""
+
+import os
+
+import pytest
+import torch
+
+from tests.functional.harness import assert_same_losses, gpt_args, losses, run_pretrain
+
+
+def _resume_equals_straight(data_prefix, tmp_path, nproc, total, stop, **layout):
+    straight = losses(gpt_args(data_prefix, train_iters=total, **layout), nproc=nproc)
+    ckpt = str(tmp_path / "ckpt")
+    first = losses(gpt_args(data_prefix, train_iters=total, exit_interval=stop, save=ckpt, **layout), nproc=nproc)
+    assert sorted(first) == list(range(1, stop + 1))
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(stop)
+    second = losses(gpt_args(data_prefix, train_iters=total, load=ckpt, **layout), nproc=nproc)
+    assert sorted(second) == list(range(stop + 1, total + 1))
+    # bit-exact: the printed values are identical, not merely close
+    assert_same_losses(straight, {**first, **second}, rel=0.0, keys=("lm loss", "grad norm"))
+    return ckpt
+
+
+def test_resume_is_bit_exact_single_process(data_prefix, tmp_path):
+    ckpt = _resume_equals_straight(data_prefix, tmp_path, 1, 20, 10)
+    path = os.path.join(ckpt, "iter_0000010", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=True)
+    for key in ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
+                "rng_state", "consumed_train_samples"):
+        assert key in state, key
+    assert state["iteration"] == 10 and state["consumed_train_samples"] == 80
+    assert "embedding.word_embeddings.weight" in state["model"]
+
+
+def test_resume_tp2_pp2(data_prefix, tmp_path):
+    ckpt = _resume_equals_straight(data_prefix, tmp_path, 4, 10, 5, tp=2, tensor_model_parallel_size=2,
+                                   pipeline_model_parallel_size=2)
+    names = sorted(os.listdir(os.path.join(ckpt, "iter_0000005")))
+    assert names == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+
+
+def test_resume_distributed_optimizer(data_prefix, tmp_path):
+    _resume_equals_straight(data_prefix, tmp_path, 2, 8, 4, use_distributed_optimizer=True)
+
+
+def test_missing_and_corrupt_checkpoints_fail_clearly(data_prefix, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(gpt_args(data_prefix, train_iters=2, save=str(ckpt)))
+    # corrupt tracker
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("garbage")
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=4, load=str(ckpt)), expect_ok=False)
+    assert proc.returncode == 2 and "corrupt tracker file" in proc.stderr
+    # tracker names an iteration whose file is missing
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("7")
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=4, load=str(ckpt)), expect_ok=False)
+    assert proc.returncode == 2 and "iter_0000007" in proc.stderr and "missing" in proc.stderr
+    # truncated checkpoint file
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    path = ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    path.write_bytes(path.read_bytes()[:1000])
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=4, load=str(ckpt)), expect_ok=False)
+    assert proc.returncode == 2 and "cannot read checkpoint" in proc.stderr
+    # --load of a directory with no checkpoint yet (first launch of an auto-resuming script) starts fresh
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=1, load=str(tmp_path / "nope")))
+    assert "no checkpoint found" in proc.stdout
+
+
+def test_loading_at_another_tp_size_is_a_clear_error(data_prefix, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(gpt_args(data_prefix, tp=2, train_iters=2, save=str(ckpt)), nproc=2)
+    proc = run_pretrain(gpt_args(data_prefix, tp=1, train_iters=4, load=str(ckpt)), expect_ok=False)
+    assert proc.returncode == 2
+    assert "--tensor-model-parallel-size" in proc.stderr
