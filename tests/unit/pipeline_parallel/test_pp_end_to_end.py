@@ -72,10 +72,18 @@ def _run_layout(pstate, num_chunks, num_microbatches, forward_only, num_layers=N
         return loss * 2.0
 
     finalized = []
+    sent_outputs = []
+
+    def recording_step(data_iterator, chunk):
+        out, loss_func = forward_step_func(data_iterator, chunk)
+        if not chunk.is_last:
+            sent_outputs.append(out)
+        return out, loss_func
+
     fb = get_forward_backward_func(pstate)
     assert fb is forward_backward_pipelining
     model = chunks if num_chunks > 1 else chunks[0]
-    stats = fb(forward_step_func, [iter(batches) for _ in chunks], model, num_microbatches, SEQ, MBS, HIDDEN,
+    stats = fb(recording_step, [iter(batches) for _ in chunks], model, num_microbatches, SEQ, MBS, HIDDEN,
                torch.float32, pstate, forward_only=forward_only, grad_scale_func=grad_scale,
                finalize_grads_func=finalized.append)
     if pstate.is_pipeline_last_stage:
@@ -89,6 +97,9 @@ def _run_layout(pstate, num_chunks, num_microbatches, forward_only, num_layers=N
         return
     assert len(finalized) == 1 and finalized[0] == chunks
     _check_grads(chunks, ref_grads, scale=2.0)
+    # every output sent downstream was freed once sent (Megatron's deallocation trick)
+    assert len(sent_outputs) == num_microbatches * sum(not c.is_last for c in chunks)
+    assert all(out.numel() == 1 for out in sent_outputs)
     for c, chunk in enumerate(chunks):
         stage = c * pp + pstate.pp_rank
         assert chunk.set_input_calls == (0 if stage == 0 else num_microbatches)
@@ -106,16 +117,20 @@ def test_pp2_plain_and_interleaved():
     run_distributed(_body_pp, 2, (cases,))
 
 
-def _body_dp_pp(rank, world_size, num_microbatches):
-    """DP=2 x PP=2: each replica accumulates its own microbatches; finalize all-reduces once per step."""
+def _body_dp_pp(rank, world_size, num_microbatches, num_chunks):
+    """DP=2 x PP=2: each replica accumulates its own microbatches; finalize all-reduces once per step.
+
+    With 2 chunks ``no_sync_func`` is a list (one per chunk); with 1 chunk a single factory.
+    """
     pstate = ParallelState.build(1, 2)
     layers = full_layers(4)
     my_batches = make_batches(num_microbatches, dp_rank=pstate.dp_rank)
     all_batches = make_batches(num_microbatches, dp_rank=0) + make_batches(num_microbatches, dp_rank=1)
     _, ref_grads = reference_step(layers, all_batches)  # mean over both replicas' microbatches
-    chunks = _build_chunks(layers, pstate, 2)
-    pstate_v = dataclasses.replace(pstate, vpp_size=2)
+    chunks = _build_chunks(layers, pstate, num_chunks)
+    pstate_v = dataclasses.replace(pstate, vpp_size=num_chunks if num_chunks > 1 else None)
     sync = SyncLog(chunks)
+    no_sync = [sync.factory(c) for c in range(num_chunks)] if num_chunks > 1 else sync.factory(0)
     calls = []
 
     def finalize(model):
@@ -126,10 +141,10 @@ def _body_dp_pp(rank, world_size, num_microbatches):
                 p.grad /= pstate.dp_size
 
     stats = forward_backward_pipelining(
-        forward_step_func, [iter(my_batches), iter(my_batches)], chunks, num_microbatches, SEQ, MBS, HIDDEN,
-        torch.float32, pstate_v, no_sync_func=[sync.factory(0), sync.factory(1)], finalize_grads_func=finalize,
+        forward_step_func, [iter(my_batches) for _ in chunks], chunks, num_microbatches, SEQ, MBS, HIDDEN,
+        torch.float32, pstate_v, no_sync_func=no_sync, finalize_grads_func=finalize,
     )
-    assert calls == [2]
+    assert calls == [num_chunks]
     assert len(stats) == (num_microbatches if pstate.is_pipeline_last_stage else 0)
     _check_grads(chunks, ref_grads)
     # every backward of a chunk but its last ran under that chunk's no_sync
@@ -139,7 +154,8 @@ def _body_dp_pp(rank, world_size, num_microbatches):
 
 def _body_world4(rank, world_size):
     _body_pp(rank, world_size, [(4, 1, 6, False), (4, 1, 2, False), (4, 2, 4, False), (4, 1, 5, True)])
-    _body_dp_pp(rank, world_size, 4)
+    _body_dp_pp(rank, world_size, 4, 2)
+    _body_dp_pp(rank, world_size, 3, 1)
 
 
 def test_pp4_and_dp2_pp2_interleaved_finalize_once():
