@@ -11,24 +11,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ParallelState
-from megatron.core.pipeline_parallel.partition import layers_for_stage
 from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining, get_forward_backward_func
 from tests.dist_utils import run_distributed
 from tests.unit.pipeline_parallel.toy_model import (
-    HIDDEN, MBS, SEQ, ToyStage, forward_step_func, full_layers, make_batches, reference_step,
+    HIDDEN, MBS, SEQ, build_chunks, forward_step_func, full_layers, make_batches, reference_step,
 )
 
 ATOL = 1e-6
-
-
-def _build_chunks(layers, pstate, num_chunks):
-    chunks = []
-    for c in range(num_chunks):
-        offset, count = layers_for_stage(len(layers), pstate.pp_size, pstate.pp_rank,
-                                         num_chunks if num_chunks > 1 else None, c)
-        stage = c * pstate.pp_size + pstate.pp_rank
-        chunks.append(ToyStage(layers, offset, count, stage == 0, stage == pstate.pp_size * num_chunks - 1))
-    return chunks
 
 
 def _check_grads(chunks, ref_grads, scale=1.0):
@@ -64,7 +53,7 @@ def _run_layout(pstate, num_chunks, num_microbatches, forward_only, num_layers=N
     layers = full_layers(num_layers or pp * num_chunks)
     batches = make_batches(num_microbatches)
     ref_losses, ref_grads = reference_step(layers, batches, backward=not forward_only)
-    chunks = _build_chunks(layers, pstate, num_chunks)
+    chunks = build_chunks(layers, pstate, num_chunks)
     scaled = []
 
     def grad_scale(loss):
@@ -127,7 +116,7 @@ def _body_dp_pp(rank, world_size, num_microbatches, num_chunks):
     my_batches = make_batches(num_microbatches, dp_rank=pstate.dp_rank)
     all_batches = make_batches(num_microbatches, dp_rank=0) + make_batches(num_microbatches, dp_rank=1)
     _, ref_grads = reference_step(layers, all_batches)  # mean over both replicas' microbatches
-    chunks = _build_chunks(layers, pstate, num_chunks)
+    chunks = build_chunks(layers, pstate, num_chunks)
     pstate_v = dataclasses.replace(pstate, vpp_size=num_chunks if num_chunks > 1 else None)
     sync = SyncLog(chunks)
     no_sync = [sync.factory(c) for c in range(num_chunks)] if num_chunks > 1 else sync.factory(0)

@@ -39,6 +39,19 @@ class ToyStage(torch.nn.Module):
         return h
 
 
+def build_chunks(layers: torch.nn.ModuleList, pstate, num_chunks: int) -> List[ToyStage]:
+    """This rank's model chunks: chunk ``c`` is virtual stage ``c * pp + pp_rank`` (layers from layers_for_stage)."""
+    from megatron.core.pipeline_parallel.partition import layers_for_stage
+
+    chunks = []
+    for c in range(num_chunks):
+        offset, count = layers_for_stage(len(layers), pstate.pp_size, pstate.pp_rank,
+                                         num_chunks if num_chunks > 1 else None, c)
+        stage = c * pstate.pp_size + pstate.pp_rank
+        chunks.append(ToyStage(layers, offset, count, stage == 0, stage == pstate.pp_size * num_chunks - 1))
+    return chunks
+
+
 def full_layers(num_layers: int, hidden: int = HIDDEN, seed: int = 1234) -> torch.nn.ModuleList:
     gen = torch.Generator().manual_seed(seed)
     layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(num_layers))
