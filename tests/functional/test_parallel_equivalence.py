@@ -40,3 +40,10 @@ def test_3d_tp2_pp2_dp2_sequence_parallel(data_prefix, baseline):
     run = losses(gpt_args(data_prefix, tp=2, pipeline_model_parallel_size=2, sequence_parallel=True,
                           use_distributed_optimizer=True), nproc=8)
     assert_same_losses(baseline, run, keys=("lm loss", "grad norm"))
+
+
+@pytest.mark.parametrize("micro", [8, 4])
+def test_gradient_accumulation(data_prefix, baseline, micro):
+    """One microbatch of 8 (or 2 of 4) gives the update of the baseline's 4 accumulated microbatches of 2."""
+    run = losses(gpt_args(data_prefix, micro_batch_size=micro))
+    assert_same_losses(baseline, run, keys=("lm loss", "grad norm"))
