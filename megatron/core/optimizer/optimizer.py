@@ -38,6 +38,11 @@ class MegatronOptimizer:
         self.grad_scaler = grad_scaler
         self.device = device if device is not None else torch.device("cpu")
         self._one = torch.ones(1, dtype=torch.float32, device=self.device)
+        # loading weights into a chunk (a model-only checkpoint, --finetune, --no-load-optim) must refresh the
+        # fp32 main params; a later optimizer.load_state_dict() overrides them with the saved ones
+        for chunk in self.model_chunks:
+            inner = getattr(chunk, "module", chunk)
+            inner.register_load_state_dict_post_hook(lambda module, incompatible: self.reload_model_params())
 
     # ---- interface used by the trainer ----------------------------------------------------------------
     @property
@@ -51,7 +56,7 @@ class MegatronOptimizer:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale``: hand this to the schedule as ``grad_scale_func``."""
-        return loss * self.get_loss_scale().to(loss.device, loss.dtype)
+        return loss * self.get_loss_scale().to(loss.device, loss.dtype).reshape(())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the DDP grad buffers of every chunk and drop any ``.grad`` left on model or main params."""
@@ -164,9 +169,16 @@ class FP32Optimizer(MegatronOptimizer):
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        _check_not_distributed(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+def _check_not_distributed(state_dict: dict) -> None:
+    if state_dict.get("distributed_optimizer"):
+        raise ValueError("optimizer checkpoint was written by the distributed optimizer; load it with "
+                         "--use-distributed-optimizer (or use --no-load-optim)")
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
@@ -230,6 +242,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                 "fp32_from_fp16_params": [m.detach().clone() for m in self.main_params]}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        _check_not_distributed(state_dict)
+        if "fp32_from_fp16_params" not in state_dict:
+            raise ValueError("optimizer checkpoint holds no fp32 main params (saved without --bf16/--fp16?); "
+                             "use --no-load-optim")
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])

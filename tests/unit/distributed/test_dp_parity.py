@@ -3,7 +3,8 @@
 Variants: plain all-reduce, overlapped bucketed all-reduce, the distributed optimizer, and the distributed
 optimizer with overlapped buckets and overlapped param all-gather. Also checks that no collective is launched
 under ``no_sync``, that overlap launches every bucket during the last backward, and that the distributed
-optimizer's state summed over DP ranks equals the replicated optimizer's.
+optimizer's state summed over DP ranks equals the replicated optimizer's; at DP=2 also the no_sync
+accumulation and the DP mean of ``finish_grad_sync``.
 """
 
 import pytest
@@ -62,6 +63,8 @@ def _body(rank, world):
     dist.all_reduce(total)
     assert int(total.item()) == state_bytes["allreduce"]
     assert state_bytes["distopt"] < state_bytes["allreduce"]
+    if world == 2:
+        _no_sync_body(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -86,10 +89,6 @@ def _no_sync_body(rank, world):
     torch.testing.assert_close(ddp.module.bias.main_grad, torch.full((3,), mean))
     ddp.zero_grad_buffer()
     assert ddp.module.weight.main_grad.abs().sum() == 0
-
-
-def test_no_sync_and_mean():
-    run_distributed(_no_sync_body, 2)
 
 
 def test_bucket_layout_single_process():

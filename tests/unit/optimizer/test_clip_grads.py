@@ -1,4 +1,5 @@
-"""Global grad norm and clipping under TP x PP (and TP x DP with the distributed optimizer), checked against
+"""Global grad norm and clipping under TP x PP, TP x DP and PP x DP (the last two with the distributed
+optimizer), checked against
 ``torch.nn.utils.clip_grad_norm_`` on the full unsharded grads; finalize_model_grads' TP and embedding sums.
 
 Every rank holds, per pipeline stage s:
@@ -9,7 +10,6 @@ Every rank holds, per pipeline stage s:
        each stage holds a partial grad; the true grad is their sum
 """
 
-import pytest
 import torch
 
 from megatron.core.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
@@ -17,7 +17,6 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from tests.dist_utils import run_distributed
 
-TP = 2
 MAX_NORM = 0.3
 
 
@@ -26,7 +25,7 @@ def _full(name, shape, seed):
     return torch.randn(*shape, generator=g)
 
 
-def _full_grads(pp):
+def _full_grads(pp, TP):
     """name -> full true grad; and the partial grads that sum to C_s and E."""
     grads, partial = {}, {}
     for s in range(pp):
@@ -42,29 +41,29 @@ def _full_grads(pp):
 
 
 class _Stage(torch.nn.Module):
-    def __init__(self, stage, tp_rank, pp):
+    def __init__(self, stage, tp_rank, tp, pp):
         super().__init__()
-        rows = slice(tp_rank * 4, (tp_rank + 1) * 4)
+        rows = slice(tp_rank * 8 // tp, (tp_rank + 1) * 8 // tp)
         self.A = torch.nn.Parameter(_full("A", (8, 6), 110 + stage)[rows].clone())
         self.A.tensor_model_parallel, self.A.partition_dim = True, 0
         self.B = torch.nn.Parameter(_full("B", (6,), 120 + stage))
         self.C = torch.nn.Parameter(_full("C", (6,), 130 + stage))
         self.C.sequence_parallel = True
-        self.E = torch.nn.Parameter(_full("E", (10, 6), 140)[tp_rank * 5:(tp_rank + 1) * 5].clone())
+        self.E = torch.nn.Parameter(_full("E", (10, 6), 140)[tp_rank * 10 // tp:(tp_rank + 1) * 10 // tp].clone())
         self.E.tensor_model_parallel, self.E.partition_dim = True, 0
         self.E.shared_embedding = pp > 1
 
 
-def _body(rank, world, pp, distopt):
+def _body(rank, world, TP, pp, distopt):
     pstate = ParallelState.build(TP, pp)
     s, t = pstate.pp_rank, pstate.tp_rank
-    module = _Stage(s, t, pp)
+    module = _Stage(s, t, TP, pp)
     ddp = DistributedDataParallel(module, pstate=pstate, config=DDPConfig(use_distributed_optimizer=distopt))
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=1.0, weight_decay=0.0, clip_grad=MAX_NORM,
                         use_distributed_optimizer=distopt), [ddp], pstate)
-    grads, partial = _full_grads(pp)
-    rows, erows = slice(t * 4, (t + 1) * 4), slice(t * 5, (t + 1) * 5)
+    grads, partial = _full_grads(pp, TP)
+    rows, erows = slice(t * 8 // TP, (t + 1) * 8 // TP), slice(t * 10 // TP, (t + 1) * 10 // TP)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     opt.zero_grad()
     module.A.main_grad.copy_(grads[f"A{s}"][rows])
@@ -72,8 +71,11 @@ def _body(rank, world, pp, distopt):
     module.C.main_grad.copy_(partial[f"C{s}"][t])
     module.E.main_grad.copy_(partial["E"][s][erows] if pp > 1 else grads["E"][erows])
     finalize_model_grads([ddp], pstate)
-    if not distopt:  # finalize summed C over TP and E over the embedding group
+    # finalize summed C over TP and E over the embedding group (under the distributed optimizer only the
+    # owned shard of C is valid; E's whole grad is made valid before the embedding all-reduce)
+    if not distopt:
         torch.testing.assert_close(module.C.main_grad, grads[f"C{s}"])
+    if not distopt or pp > 1:
         torch.testing.assert_close(module.E.main_grad, grads["E"][erows])
 
     # reference: every distinct parameter once, full size
@@ -91,6 +93,13 @@ def _body(rank, world, pp, distopt):
         torch.testing.assert_close(p.detach(), start[n] - expect[n], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("pp,distopt", [(2, False), (1, True)], ids=["tp2xpp2", "tp2xdp2-distopt"])
-def test_global_norm_counts_each_param_once(pp, distopt):
-    run_distributed(_body, 4, (pp, distopt))
+LAYOUTS = [(2, 2, False), (2, 1, True), (1, 2, True)]  # (tp, pp, distributed optimizer): TPxPP, TPxDP, PPxDP
+
+
+def _all_layouts(rank, world):
+    for tp, pp, distopt in LAYOUTS:  # one set of processes for every layout (spawning is the slow part)
+        _body(rank, world, tp, pp, distopt)
+
+
+def test_global_norm_counts_each_param_once():
+    run_distributed(_all_layouts, 4)

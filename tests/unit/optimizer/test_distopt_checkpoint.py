@@ -33,6 +33,7 @@ def _save(rank, world, path):
         torch.save({"model": model_state, "optimizer": optim_state}, path)
         assert len(optim_state["params"]) == len(list(ddp.parameters()))
         assert optim_state["scalar_state"] == {"step": float(FIRST)}
+    _bf16(rank, world)  # reuse these processes for the bf16 check
 
 
 def _resume(rank, world, path):
@@ -55,7 +56,7 @@ def _resume(rank, world, path):
         torch.testing.assert_close(entry["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=1e-4, atol=1e-7)
 
 
-def test_save_at_dp2_resume_at_dp4():
+def test_save_at_dp2_resume_at_dp4_and_bf16():
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "optim.pt")
         run_distributed(_save, 2, (path,))
@@ -86,7 +87,3 @@ def _bf16(rank, world):
     # the full state dict's fp32 params round to the model's bf16 params
     for entry, p in zip(opt.state_dict()["params"], ddp.parameters()):
         assert torch.equal(entry["param"].bfloat16(), p.detach())
-
-
-def test_bf16_distributed_optimizer():
-    run_distributed(_bf16, 2)

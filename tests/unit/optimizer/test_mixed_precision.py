@@ -92,6 +92,11 @@ def test_bf16_trains_on_cpu_with_fp32_main_params():
     assert losses[-1] < 0.8 * losses[0]
     for p, m in zip(opt.model_params, opt.main_params):
         assert p.dtype == torch.bfloat16 and m.dtype == torch.float32 and torch.equal(p, m.bfloat16())
+    # loading model weights (a model-only checkpoint) refreshes the fp32 main params
+    fresh = make_model(seed=7, dtype=torch.bfloat16)
+    ddp.load_state_dict(fresh.state_dict())
+    for p, m in zip(opt.model_params, opt.main_params):
+        assert torch.equal(p.float(), m)
     # a NaN grad in bf16: the norm is NaN and the update is skipped (the trainer counts a nan iteration)
     before = _snapshot(ddp, opt)
     opt.zero_grad()
