@@ -41,7 +41,7 @@ def _ref_linear(seed, n_in, n_out):
     return ref
 
 
-def _check_column(ps, sp, world):
+def _check_column(ps, sp, tp):
     r, g = ps.tp_rank, ps.tp_group
     ref = _ref_linear(1, H, FFN)
     x_full = _rand(2, S, B, H).requires_grad_(True)
@@ -51,23 +51,23 @@ def _check_column(ps, sp, world):
 
     for gather_output in ([False] if sp else [False, True]):
         col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, gather_output=gather_output)
-        assert col.weight.shape == (FFN // world, H) and col.weight.partition_dim == 0
+        assert col.weight.shape == (FFN // tp, H) and col.weight.partition_dim == 0
         assert col.weight.tensor_model_parallel and col.bias.tensor_model_parallel and col.bias.partition_dim == 0
         with torch.no_grad():
-            col.weight.copy_(ref.weight.chunk(world, 0)[r])
-            col.bias.copy_(ref.bias.chunk(world, 0)[r])
-        x = (x_full.detach().chunk(world, 0)[r] if sp else x_full.detach()).clone().requires_grad_(True)
+            col.weight.copy_(ref.weight.chunk(tp, 0)[r])
+            col.bias.copy_(ref.bias.chunk(tp, 0)[r])
+        x = (x_full.detach().chunk(tp, 0)[r] if sp else x_full.detach()).clone().requires_grad_(True)
         y, bias = col(x)
         assert bias is None
         if gather_output:
             torch.testing.assert_close(y, y_ref, **TOL)
             y.backward(up)
         else:
-            torch.testing.assert_close(y, y_ref.chunk(world, -1)[r], **TOL)
-            y.backward(up.chunk(world, -1)[r])
-        torch.testing.assert_close(col.weight.grad, ref.weight.grad.chunk(world, 0)[r], **TOL)
-        torch.testing.assert_close(col.bias.grad, ref.bias.grad.chunk(world, 0)[r], **TOL)
-        want_gx = x_full.grad.chunk(world, 0)[r] if sp else x_full.grad
+            torch.testing.assert_close(y, y_ref.chunk(tp, -1)[r], **TOL)
+            y.backward(up.chunk(tp, -1)[r])
+        torch.testing.assert_close(col.weight.grad, ref.weight.grad.chunk(tp, 0)[r], **TOL)
+        torch.testing.assert_close(col.bias.grad, ref.bias.grad.chunk(tp, 0)[r], **TOL)
+        want_gx = x_full.grad.chunk(tp, 0)[r] if sp else x_full.grad
         torch.testing.assert_close(x.grad, want_gx, **TOL)
 
     # skip_bias_add hands the bias back; an external weight (tied output layer) is accepted.
@@ -75,14 +75,14 @@ def _check_column(ps, sp, world):
                                skip_weight_param_allocation=True)
     assert col.weight is None
     with torch.no_grad():
-        col.bias.copy_(ref.bias.chunk(world, 0)[r])
-    x = x_full.detach().chunk(world, 0)[r] if sp else x_full.detach()
-    y, bias = col(x, weight=ref.weight.detach().chunk(world, 0)[r])
+        col.bias.copy_(ref.bias.chunk(tp, 0)[r])
+    x = x_full.detach().chunk(tp, 0)[r] if sp else x_full.detach()
+    y, bias = col(x, weight=ref.weight.detach().chunk(tp, 0)[r])
     assert bias is col.bias
-    torch.testing.assert_close(y + bias, y_ref.detach().chunk(world, -1)[r], **TOL)
+    torch.testing.assert_close(y + bias, y_ref.detach().chunk(tp, -1)[r], **TOL)
 
 
-def _check_row(ps, sp, world):
+def _check_row(ps, sp, tp):
     r, g = ps.tp_rank, ps.tp_group
     ref = _ref_linear(4, FFN, H)
     x_full = _rand(5, S, B, FFN).requires_grad_(True)
@@ -92,34 +92,34 @@ def _check_row(ps, sp, world):
 
     for input_is_parallel in ([True] if sp else [True, False]):
         row = RowParallelLinear(FFN, H, config=_cfg(sp), pstate=ps, input_is_parallel=input_is_parallel)
-        assert row.weight.shape == (H, FFN // world) and row.weight.partition_dim == 1
+        assert row.weight.shape == (H, FFN // tp) and row.weight.partition_dim == 1
         assert not row.bias.tensor_model_parallel and row.bias.sequence_parallel == sp
         with torch.no_grad():
-            row.weight.copy_(ref.weight.chunk(world, 1)[r])
+            row.weight.copy_(ref.weight.chunk(tp, 1)[r])
             row.bias.copy_(ref.bias)
-        x_in = x_full.detach().chunk(world, -1)[r] if input_is_parallel else x_full.detach()
+        x_in = x_full.detach().chunk(tp, -1)[r] if input_is_parallel else x_full.detach()
         x = x_in.clone().requires_grad_(True)
         y, bias = row(x)
         assert bias is None
         if sp:
-            torch.testing.assert_close(y, y_ref.chunk(world, 0)[r], **TOL)
-            y.backward(up.chunk(world, 0)[r])
+            torch.testing.assert_close(y, y_ref.chunk(tp, 0)[r], **TOL)
+            y.backward(up.chunk(tp, 0)[r])
             # each rank's bias grad covers its own tokens; finalize_model_grads sums them over TP
             torch.testing.assert_close(all_reduce_sum(row.bias.grad, g), ref.bias.grad, **TOL)
         else:
             torch.testing.assert_close(y, y_ref, **TOL)
             y.backward(up)
             torch.testing.assert_close(row.bias.grad, ref.bias.grad, **TOL)
-        torch.testing.assert_close(row.weight.grad, ref.weight.grad.chunk(world, 1)[r], **TOL)
-        want_gx = x_full.grad.chunk(world, -1)[r] if input_is_parallel else x_full.grad
+        torch.testing.assert_close(row.weight.grad, ref.weight.grad.chunk(tp, 1)[r], **TOL)
+        want_gx = x_full.grad.chunk(tp, -1)[r] if input_is_parallel else x_full.grad
         torch.testing.assert_close(x.grad, want_gx, **TOL)
 
     row = RowParallelLinear(FFN, H, config=_cfg(sp), pstate=ps, skip_bias_add=True)
-    _, bias = row(torch.zeros(S, B, FFN // world, dtype=torch.float64))  # [s, b, ffn/tp] in either mode
+    _, bias = row(torch.zeros(S, B, FFN // tp, dtype=torch.float64))  # [s, b, ffn/tp] in either mode
     assert bias is row.bias
 
 
-def _check_mlp_pair(ps, sp, world):
+def _check_mlp_pair(ps, sp, tp):
     """Column -> GeLU -> Row equals the unsharded MLP, with Megatron's collective count."""
     r = ps.tp_rank
     fc1, fc2 = _ref_linear(7, H, FFN), _ref_linear(8, FFN, H)
@@ -131,68 +131,72 @@ def _check_mlp_pair(ps, sp, world):
     col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, skip_bias_add=True)
     row = RowParallelLinear(FFN, H, config=_cfg(sp), pstate=ps)
     with torch.no_grad():
-        col.weight.copy_(fc1.weight.chunk(world, 0)[r]); col.bias.copy_(fc1.bias.chunk(world, 0)[r])
-        row.weight.copy_(fc2.weight.chunk(world, 1)[r]); row.bias.copy_(fc2.bias)
-    x = (x_full.detach().chunk(world, 0)[r] if sp else x_full.detach()).clone().requires_grad_(True)
+        col.weight.copy_(fc1.weight.chunk(tp, 0)[r]); col.bias.copy_(fc1.bias.chunk(tp, 0)[r])
+        row.weight.copy_(fc2.weight.chunk(tp, 1)[r]); row.bias.copy_(fc2.bias)
+    x = (x_full.detach().chunk(tp, 0)[r] if sp else x_full.detach()).clone().requires_grad_(True)
     with count_collectives() as fwd:
         inter, inter_bias = col(x)
         y, _ = row(F.gelu(inter + inter_bias))
     with count_collectives() as bwd:
-        y.backward(up.chunk(world, 0)[r] if sp else up)
+        y.backward(up.chunk(tp, 0)[r] if sp else up)
     if sp:  # each all-reduce becomes reduce-scatter + all-gather
         assert fwd == Counter(all_gather=1, reduce_scatter=1), fwd
         assert bwd == Counter(all_gather=1, reduce_scatter=1), bwd
-        torch.testing.assert_close(y, y_ref.detach().chunk(world, 0)[r], **TOL)
-        torch.testing.assert_close(x.grad, x_full.grad.chunk(world, 0)[r], **TOL)
+        torch.testing.assert_close(y, y_ref.detach().chunk(tp, 0)[r], **TOL)
+        torch.testing.assert_close(x.grad, x_full.grad.chunk(tp, 0)[r], **TOL)
     else:  # g in the forward, f in the backward
         assert fwd == Counter(all_reduce=1), fwd
         assert bwd == Counter(all_reduce=1), bwd
         torch.testing.assert_close(y, y_ref.detach(), **TOL)
         torch.testing.assert_close(x.grad, x_full.grad, **TOL)
-    torch.testing.assert_close(col.weight.grad, fc1.weight.grad.chunk(world, 0)[r], **TOL)
-    torch.testing.assert_close(row.weight.grad, fc2.weight.grad.chunk(world, 1)[r], **TOL)
+    torch.testing.assert_close(col.weight.grad, fc1.weight.grad.chunk(tp, 0)[r], **TOL)
+    torch.testing.assert_close(row.weight.grad, fc2.weight.grad.chunk(tp, 1)[r], **TOL)
 
 
-def _check_embedding(ps, world):
+def _check_embedding(ps, tp):
     r = ps.tp_rank
     ref = nn.Embedding(V, H, dtype=torch.float64)
     with torch.no_grad():
         ref.weight.copy_(_rand(11, V, H))
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(12))
-    ids[0, :3] = torch.tensor([0, V // world, V - 1])  # shard boundaries
+    ids[0, :3] = torch.tensor([0, V // tp, V - 1])  # shard boundaries
     up = _rand(13, B, S, H)
     y_ref = ref(ids)
     y_ref.backward(up)
 
     emb = VocabParallelEmbedding(V, H, config=_cfg(False), pstate=ps)
-    assert emb.weight.shape == (V // world, H) and emb.weight.partition_dim == 0
+    assert emb.weight.shape == (V // tp, H) and emb.weight.partition_dim == 0
     with torch.no_grad():
-        emb.weight.copy_(ref.weight.chunk(world, 0)[r])
+        emb.weight.copy_(ref.weight.chunk(tp, 0)[r])
     with count_collectives() as fwd:
         y = emb(ids)
     with count_collectives() as bwd:
         y.backward(up)
     assert fwd == Counter(all_reduce=1) and bwd == Counter()
     torch.testing.assert_close(y, y_ref, **TOL)
-    torch.testing.assert_close(emb.weight.grad, ref.weight.grad.chunk(world, 0)[r], **TOL)
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad.chunk(tp, 0)[r], **TOL)
+
+
+def _check_all(ps):
+    tp = ps.tp_size
+    for sp in (False, True):
+        _check_column(ps, sp, tp)
+        _check_row(ps, sp, tp)
+        _check_mlp_pair(ps, sp, tp)
+    _check_embedding(ps, tp)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
+        ColumnParallelLinear(H, tp + 1, config=_cfg(False), pstate=ps)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
+        VocabParallelEmbedding(tp * 3 + 1, H, config=_cfg(False), pstate=ps)
 
 
 def _body(rank, world):
-    ps = ParallelState.build(tensor_model_parallel_size=world)
-    for sp in (False, True):
-        _check_column(ps, sp, world)
-        _check_row(ps, sp, world)
-        _check_mlp_pair(ps, sp, world)
-    _check_embedding(ps, world)
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
-        ColumnParallelLinear(H, world + 1, config=_cfg(False), pstate=ps)
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
-        VocabParallelEmbedding(world * 3 + 1, H, config=_cfg(False), pstate=ps)
+    for tp in (2, 4):  # TP=2 (x DP=2) and TP=4 in one set of 4 processes
+        _check_all(ParallelState.build(tensor_model_parallel_size=tp))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_layers_parity(world):
-    run_distributed(_body, world)
+def test_layers_parity_tp2_tp4():
+    run_distributed(_body, 4)
 
 
 def test_single_process_layers_match_torch():

@@ -26,17 +26,16 @@ def _run(op, x, upstream, group):
     return y.detach(), x.grad, fwd, bwd
 
 
-def _check_ops(rank, world):
-    ps = ParallelState.build(tensor_model_parallel_size=world)
-    g, r = ps.tp_group, ps.tp_rank
+def _check_ops(ps):
+    g, r, tp = ps.tp_group, ps.tp_rank, ps.tp_size
     full = _rand(0, S, B, H)  # replicated tensor
-    per_rank = [_rand(10 + q, S, B, H) for q in range(world)]  # rank q's own tensor
-    ws = [_rand(20 + q, S, B, H) for q in range(world)]  # rank q's upstream gradient (full shape)
+    per_rank = [_rand(10 + q, S, B, H) for q in range(tp)]  # rank q's own tensor
+    ws = [_rand(20 + q, S, B, H) for q in range(tp)]  # rank q's upstream gradient (full shape)
     ar, ag, rs = Counter(all_reduce=1), Counter(all_gather=1), Counter(reduce_scatter=1)
     none = Counter()
 
     def chunk(t, dim):
-        return t.chunk(world, dim=dim)[r]
+        return t.chunk(tp, dim=dim)[r]
 
     # f: identity forward, all-reduce backward.
     y, gx, fwd, bwd = _run(M.copy_to_tensor_model_parallel_region, full, ws[r], g)
@@ -53,7 +52,7 @@ def _check_ops(rank, world):
     # scatter / gather along the last dimension.
     y, gx, fwd, bwd = _run(M.scatter_to_tensor_model_parallel_region, full, chunk(ws[r], -1), g)
     torch.testing.assert_close(y, chunk(full, -1))
-    torch.testing.assert_close(gx, torch.cat([w.chunk(world, -1)[q] for q, w in enumerate(ws)], dim=-1))
+    torch.testing.assert_close(gx, torch.cat([w.chunk(tp, -1)[q] for q, w in enumerate(ws)], dim=-1))
     assert (fwd, bwd) == (none, ag)
 
     y, gx, fwd, bwd = _run(M.gather_from_tensor_model_parallel_region, chunk(full, -1), ws[0], g)
@@ -64,7 +63,7 @@ def _check_ops(rank, world):
     # sequence parallel: split / all-gather along dim 0.
     y, gx, fwd, bwd = _run(M.scatter_to_sequence_parallel_region, full, chunk(ws[r], 0), g)
     torch.testing.assert_close(y, chunk(full, 0))
-    torch.testing.assert_close(gx, torch.cat([w.chunk(world, 0)[q] for q, w in enumerate(ws)], dim=0))
+    torch.testing.assert_close(gx, torch.cat([w.chunk(tp, 0)[q] for q, w in enumerate(ws)], dim=0))
     assert (fwd, bwd) == (none, ag)
 
     # all-gather / reduce-scatter (the consumer is tensor-parallel: partial grads per rank).
@@ -83,7 +82,7 @@ def _check_ops(rank, world):
     # reduce-scatter / all-gather.
     y, gx, fwd, bwd = _run(M.reduce_scatter_to_sequence_parallel_region, per_rank[r], chunk(ws[r], 0), g)
     torch.testing.assert_close(y, chunk(sum(per_rank), 0))
-    torch.testing.assert_close(gx, torch.cat([w.chunk(world, 0)[q] for q, w in enumerate(ws)], dim=0))
+    torch.testing.assert_close(gx, torch.cat([w.chunk(tp, 0)[q] for q, w in enumerate(ws)], dim=0))
     assert (fwd, bwd) == (rs, ag)
 
     # No operator touches its input or a gradient shared with another branch (a residual add hands the same
@@ -104,15 +103,20 @@ def _check_ops(rank, world):
     assert M.reduce_scatter_to_sequence_parallel_region(full.to(torch.bfloat16), g).dtype == torch.bfloat16
 
     # Indivisible sizes are refused with a clear message.
-    bad = torch.zeros(world + 1, 3)
+    bad = torch.zeros(tp + 1, 3)
     for fn in (M.scatter_to_sequence_parallel_region, M.reduce_scatter_to_sequence_parallel_region):
         with pytest.raises(ValueError, match="not divisible"):
             fn(bad, g)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_operators_parity(world):
-    run_distributed(_check_ops, world)
+def _body(rank, world):
+    # TP=2 (two TP groups, the second made of global ranks 2 and 3) and TP=4, in one set of 4 processes
+    for tp in (2, 4):
+        _check_ops(ParallelState.build(tensor_model_parallel_size=tp))
+
+
+def test_operators_parity_tp2_tp4():
+    run_distributed(_body, 4)
 
 
 def test_trivial_group_is_identity():
