@@ -264,6 +264,20 @@ class _Reader:
                 self._raw.close()
 
 
+def _bounded_imap(pool, fn, items, in_flight: int):
+    """Ordered ``pool.imap`` that keeps at most ``in_flight`` items submitted (bounded memory:
+    ``Pool.imap`` would read the whole input ahead)."""
+    import collections
+
+    pending = collections.deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def _print(cfg: PreprocessConfig, msg: str) -> None:
     if not cfg.quiet:
         print(msg, file=sys.stderr, flush=True)
@@ -305,7 +319,7 @@ def preprocess(cfg: PreprocessConfig) -> Stats:
         if cfg.workers > 1:
             ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             pool = ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(cfg,))
-            results = pool.imap(encode_batch, reader.batches(), chunksize=1)
+            results = _bounded_imap(pool, encode_batch, reader.batches(), 2 * cfg.workers)
         else:
             _init_worker(cfg)
             results = map(encode_batch, reader.batches())

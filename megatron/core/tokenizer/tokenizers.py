@@ -90,10 +90,25 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file} has no '<|endoftext|>' token (not a GPT-2 vocabulary?)")
         self._eod = eod
+        self._vocab_file, self._merge_file = vocab_file, merge_file
+        self._fast = None
 
     @property
     def eod(self) -> int:
         return self._eod
+
+    def tokenize_batch_flat(self, texts: Sequence[str]):
+        """(int64 ids of all texts back to back, int64 number of ids per text), for bulk preprocessing.
+
+        Uses ``FastGPT2Encoder`` (vectorised pre-tokenisation and a piece cache; same ids).
+        """
+        if self._fast is None:
+            from megatron.core.tokenizer.gpt2_fast import FastGPT2Encoder
+
+            bpe = Tokenizer(models.BPE.from_file(self._vocab_file, self._merge_file))
+            bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            self._fast = FastGPT2Encoder(bpe, fallback=self)
+        return self._fast.encode_batch_flat(texts)
 
 
 class BertWordPieceTokenizer(_HFBackedTokenizer):
