@@ -19,60 +19,84 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+# Tiles: BLOCK_M rows x BLOCK_N columns of the tensor viewed as [M, N] (N = last dimension). Each program walks
+# ROW_TILES row tiles of one column block, so the bias is loaded once and bias-gradient partial sums stay in
+# registers; no per-element integer modulo is needed to find the bias column.
+_BLOCK_M = 16
+_BLOCK_N = 256
 
 
 @triton.jit
-def _bias_gelu_fwd_kernel(X, B, Y, n_elements, H, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """Y = gelu(X + B) for a contiguous X viewed as [n_elements / H, H]."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+def _bias_gelu_fwd_kernel(X, B, Y, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """Y = gelu(X + B) for a contiguous X viewed as [M, N]."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
     if HAS_BIAS:
-        z += tl.load(B + offs % H, mask=mask, other=0.0).to(tl.float32)
-    y = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    for t in range(0, ROW_TILES):
+        rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += b[None, :]
+        y = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, X, B, DX, n_elements, H, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """DX = DY * gelu'(X + B), with gelu'(z) = Phi(z) + z * phi(z)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """DX = DY * gelu'(X + B) with gelu'(z) = Phi(z) + z * phi(z); DB_PART[program row] = column sums of DX."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
     if HAS_BIAS:
-        z += tl.load(B + offs % H, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
-    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
-    tl.store(DX + offs, (dy * (cdf + z * pdf)).to(DX.dtype.element_ty), mask=mask)
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for t in range(0, ROW_TILES):
+        rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += b[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+        dx = tl.where(mask, dy * (cdf + z * pdf), 0.0)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc += tl.sum(dx, axis=0)
+    if HAS_BIAS:
+        tl.store(DB_PART + tl.program_id(1) * N + cols, acc, mask=cmask)
 
 
-def _grid(n: int):
-    return (triton.cdiv(n, _BLOCK),)
-
-
-def _bias_grad(dz: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Sum of the gradient over every dimension but the last, accumulated in fp32, in the bias dtype."""
-    if bias is None:
-        return None
-    return dz.reshape(-1, dz.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
+def _launch_shape(m: int, n: int, device: torch.device):
+    """(grid, row tiles per program): about 4 programs per multiprocessor, each a column block x row range."""
+    col_blocks = triton.cdiv(n, _BLOCK_N)
+    row_tiles_total = triton.cdiv(m, _BLOCK_M)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    row_groups = max(1, min(row_tiles_total, (4 * sms + col_blocks - 1) // col_blocks))
+    per_program = triton.cdiv(row_tiles_total, row_groups)
+    row_groups = triton.cdiv(row_tiles_total, per_program)
+    return (col_blocks, row_groups), per_program
 
 
 class BiasGeLUFunction(torch.autograd.Function):
-    """gelu(x + bias) (exact erf GeLU) in one Triton pass forward and one backward."""
+    """gelu(x + bias) (exact erf GeLU): one Triton pass forward; backward writes dx and the bias-grad partials
+    in the same pass."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         x = x.contiguous()
         y = torch.empty_like(x)
-        n = x.numel()
-        h = x.shape[-1]
-        if n:
-            _bias_gelu_fwd_kernel[_grid(n)](x, bias if bias is not None else x, y, n, h,
-                                            HAS_BIAS=bias is not None, BLOCK=_BLOCK)
+        n = x.shape[-1]
+        m = x.numel() // n if n else 0
+        if m and n:
+            grid, tiles = _launch_shape(m, n, x.device)
+            _bias_gelu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, n, tiles,
+                                        HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
         return y
@@ -85,39 +109,69 @@ class BiasGeLUFunction(torch.autograd.Function):
             (x,), bias = ctx.saved_tensors, None
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        n = x.numel()
-        if n:
-            _bias_gelu_bwd_kernel[_grid(n)](dy, x, bias if bias is not None else x, dx, n, x.shape[-1],
-                                            HAS_BIAS=bias is not None, BLOCK=_BLOCK)
-        return dx, _bias_grad(dx, bias)
+        n = x.shape[-1]
+        m = x.numel() // n if n else 0
+        dbias = None
+        if m and n:
+            grid, tiles = _launch_shape(m, n, x.device)
+            part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device) if bias is not None else x
+            _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
+                                        HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
+            if bias is not None:
+                dbias = part.sum(0).to(bias.dtype)
+        elif bias is not None:
+            dbias = torch.zeros_like(bias)
+        return dx, dbias
 
 
 @triton.jit
-def _bias_dropout_add_fwd_kernel(X, B, R, OUT, SEED, n_elements, H, p, scale,
-                                 HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT = R + dropout(X + B); the keep mask is Philox(seed, element index) > p."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+def _bias_dropout_add_fwd_kernel(X, B, R, OUT, SEED, M, N, ROW_TILES, p, scale, HAS_BIAS: tl.constexpr,
+                                 DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT = R + dropout(X + B); the keep mask is Philox(seed, flat element index) > p."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
     if HAS_BIAS:
-        z += tl.load(B + offs % H, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     if DROPOUT:
         seed = tl.load(SEED)
-        keep = tl.rand(seed, offs) > p
-        z = tl.where(keep, z * scale, 0.0)
-    r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, (r + z).to(OUT.dtype.element_ty), mask=mask)
+    for t in range(0, ROW_TILES):
+        rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += b[None, :]
+        if DROPOUT:
+            keep = tl.rand(seed, offs) > p
+            z = tl.where(keep, z * scale, 0.0)
+        r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, (r + z).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dropout_bwd_kernel(DY, DX, SEED, n_elements, p, scale, BLOCK: tl.constexpr):
-    """DX = DY * keep * scale with the forward's regenerated keep mask."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    seed = tl.load(SEED)
-    keep = tl.rand(seed, offs) > p
-    tl.store(DX + offs, tl.where(keep, dy * scale, 0.0).to(DX.dtype.element_ty), mask=mask)
+def _dropout_bwd_kernel(DY, DX, DB_PART, SEED, M, N, ROW_TILES, p, scale, DROPOUT: tl.constexpr,
+                        WRITE_DX: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """DX = DY * keep * scale with the forward's regenerated mask (or DY itself), plus bias-grad partials."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if DROPOUT:
+        seed = tl.load(SEED)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for t in range(0, ROW_TILES):
+        rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        dz = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            keep = tl.rand(seed, offs) > p
+            dz = tl.where(keep, dz * scale, 0.0)
+        if WRITE_DX:
+            tl.store(DX + offs, dz.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc += tl.sum(dz, axis=0)
+    if HAS_BIAS:
+        tl.store(DB_PART + tl.program_id(1) * N + cols, acc, mask=cmask)
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
@@ -130,10 +184,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
             raise ValueError(f"bias_dropout_add: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         x = x.contiguous()
         residual = residual.contiguous()
-        dtypes = [x.dtype, residual.dtype] + ([bias.dtype] if bias is not None else [])
-        out_dtype = dtypes[0]
-        for d in dtypes[1:]:
-            out_dtype = torch.promote_types(out_dtype, d)
+        out_dtype = torch.promote_types(x.dtype, residual.dtype)
+        if bias is not None:
+            out_dtype = torch.promote_types(out_dtype, bias.dtype)
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         dropout = bool(training) and prob > 0.0
         if dropout and prob >= 1.0:
@@ -142,11 +195,13 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         # A fresh Philox seed per call from the current CUDA generator, kept on the device (no host sync).
         seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int32) if dropout
                 else torch.zeros(1, device=x.device, dtype=torch.int32))
-        n = x.numel()
-        if n:
-            _bias_dropout_add_fwd_kernel[_grid(n)](
-                x, bias if bias is not None else x, residual, out, seed, n, x.shape[-1], float(prob), scale,
-                HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK=_BLOCK)
+        n = x.shape[-1]
+        m = x.numel() // n if n else 0
+        if m and n:
+            grid, tiles = _launch_shape(m, n, x.device)
+            _bias_dropout_add_fwd_kernel[grid](
+                x, bias if bias is not None else x, residual, out, seed, m, n, tiles, float(prob), scale,
+                HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
         ctx.save_for_backward(seed)
         ctx.dropout, ctx.prob, ctx.scale = dropout, float(prob), scale
         ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype
@@ -157,14 +212,21 @@ class BiasDropoutAddFunction(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         (seed,) = ctx.saved_tensors
         dout = dout.contiguous()
-        if ctx.dropout:
-            dz = torch.empty(dout.shape, dtype=ctx.x_dtype, device=dout.device)
-            n = dout.numel()
-            if n:
-                _dropout_bwd_kernel[_grid(n)](dout, dz, seed, n, ctx.prob, ctx.scale, BLOCK=_BLOCK)
-        else:
-            dz = dout.to(ctx.x_dtype)
+        has_bias = ctx.bias_dtype is not None
+        n = dout.shape[-1]
+        m = dout.numel() // n if n else 0
+        write_dx = ctx.dropout or dout.dtype != ctx.x_dtype
+        dz = torch.empty(dout.shape, dtype=ctx.x_dtype, device=dout.device) if write_dx else dout
         dbias = None
-        if ctx.bias_dtype is not None:
-            dbias = dz.reshape(-1, dz.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dz, dbias, dout.to(ctx.r_dtype), None, None
+        if m and n and (write_dx or has_bias):
+            grid, tiles = _launch_shape(m, n, dout.device)
+            part = torch.empty((grid[1], n), dtype=torch.float32, device=dout.device) if has_bias else dout
+            _dropout_bwd_kernel[grid](dout, dz, part, seed, m, n, tiles, ctx.prob, ctx.scale, DROPOUT=ctx.dropout,
+                                      WRITE_DX=write_dx, HAS_BIAS=has_bias, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+                                      num_warps=4)
+            if has_bias:
+                dbias = part.sum(0).to(ctx.bias_dtype)
+        elif has_bias:
+            dbias = torch.zeros(n, dtype=ctx.bias_dtype, device=dout.device)
+        dres = dout if dout.dtype == ctx.r_dtype else dout.to(ctx.r_dtype)
+        return dz, dbias, dres, None, None
