@@ -47,6 +47,55 @@ def layer_norm_reference(
     return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
 
 
+def scaled_masked_softmax_reference(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """softmax(scores * scale with ``mask`` (True = masked out) set to -inf) in fp32, returned in the input dtype.
+
+    Rows that are entirely masked give zeros (not NaN), as Megatron's fused softmax does.
+    """
+    x = scores.float() * scale
+    if mask is not None:
+        x = x.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0).to(scores.dtype)
+
+
+class ScaledMaskedSoftmaxFunction(torch.autograd.Function):
+    """The fused scale-mask-softmax semantics with 16-bit saved state.
+
+    Computes in fp32 like the reference but keeps only the output, in the input dtype (2 bytes per attention
+    score with bf16/fp16 instead of the 4 bytes autograd keeps for an fp32 softmax): the ``5as/h`` term of the
+    paper's activation-memory formula instead of ``7as/h``. Backward: ``dx = scale * y * (dy - sum(dy * y))``.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        probs = scaled_masked_softmax_reference(scores, mask, scale)
+        ctx.save_for_backward(probs)
+        ctx.scale = scale
+        return probs
+
+    @staticmethod
+    def backward(ctx, dprobs: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        y = probs.float()
+        g = dprobs.float()
+        dx = ctx.scale * y * (g - (g * y).sum(dim=-1, keepdim=True))
+        return dx.to(probs.dtype), None, None
+
+
+def scaled_masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                          use_fused: bool = True) -> torch.Tensor:
+    """softmax(scale * scores, masked) for the unfused attention path; ``mask`` broadcasts to ``scores``
+    (True = masked out, e.g. the upper-triangular causal mask, optionally OR-ed with a padding mask).
+
+    ``use_fused=True`` (any device) keeps only the 16-bit probabilities for backward; otherwise autograd runs
+    through the reference and keeps the fp32 ones.
+    """
+    if use_fused and not torch.compiler.is_compiling():
+        return ScaledMaskedSoftmaxFunction.apply(scores, mask, float(scale))
+    return scaled_masked_softmax_reference(scores, mask, scale)
+
+
 def _fusable(x: torch.Tensor, use_fused: bool) -> bool:
     """True when the fused Triton path applies: asked for, CUDA tensor, Triton present, not being traced."""
     return use_fused and HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()

@@ -1,0 +1,76 @@
+"""CPU checks of the paths that do not need a GPU: the chunked cross-entropy and the 16-bit-state softmax.
+
+These run anywhere (no CUDA needed); the GPU kernels are covered by test_fused_kernels.py on the GPU machine.
+"""
+
+import pytest
+import torch
+
+from megatron.core.fusions import fused_vocab_cross_entropy, ops
+from megatron.core.fusions.cross_entropy import cross_entropy_reference
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_chunked_cross_entropy_matches_reference(dtype, tol, inplace):
+    torch.manual_seed(0)
+    v = 97
+    logits = (torch.randn(11, 3, v) * 3).to(dtype)
+    target = torch.randint(0, v, (11, 3))
+    target[2, 1] = -100
+    dloss = torch.rand(11, 3)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    # a chunk of 4 rows forces several chunks
+    la = fused_vocab_cross_entropy(a, target, chunk_bytes=4 * v * 4, inplace_backward=inplace)
+    lb = cross_entropy_reference(b, target)
+    assert rel_err(la, lb) < 1e-5 and la[2, 1] == 0
+    la.backward(dloss)
+    lb.backward(dloss)
+    assert rel_err(a.grad, b.grad) < tol
+    assert torch.all(a.grad[2, 1] == 0)
+
+
+def test_cross_entropy_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="target shape"):
+        fused_vocab_cross_entropy(torch.randn(4, 2, 10), torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_scaled_masked_softmax(dtype, tol):
+    torch.manual_seed(0)
+    b, n, s = 2, 3, 16
+    scores = torch.randn(b, n, s, s).to(dtype)
+    causal = torch.ones(s, s, dtype=torch.bool).triu_(1)
+    padding = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+    padding[1, ..., -5:] = True
+    mask = causal | padding
+    mask[1, 0, 0, :] = True  # a fully masked row gives zeros, not NaN
+    mask = mask.expand(b, 1, s, s)
+    g = torch.randn(b, n, s, s).to(dtype)
+    x1, x2 = scores.clone().requires_grad_(), scores.clone().requires_grad_()
+    y1 = ops.scaled_masked_softmax(x1, mask, 0.125)
+    y2 = ops.scaled_masked_softmax_reference(x2, mask, 0.125)
+    assert y1.dtype == dtype and torch.isfinite(y1).all()
+    assert torch.all(y1[1, :, 0] == 0)
+    assert rel_err(y1, y2) < 1e-6
+    y1.backward(g)
+    y2.backward(g)
+    assert rel_err(x1.grad, x2.grad) < tol
+
+
+def test_scaled_masked_softmax_keeps_16bit_state():
+    """Autograd keeps only the bf16 probabilities (2 bytes per score), not an fp32 copy."""
+    scores = torch.randn(2, 4, 32, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ops.scaled_masked_softmax(scores, torch.ones(32, 32, dtype=torch.bool).triu_(1), 0.5)
+    assert saved == [(torch.bfloat16, scores.numel())]
