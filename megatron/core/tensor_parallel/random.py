@@ -71,9 +71,16 @@ class RNGStatesTracker:
                 for name, st in self._states.items()}
 
     def set_states(self, states: Dict[str, Dict[str, Optional[torch.Tensor]]]) -> None:
-        """Replace the tracked states (as returned by ``get_states``; seeds are not restored)."""
-        self._states = {name: {k: (v.clone() if v is not None else None) for k, v in st.items()}
-                        for name, st in states.items()}
+        """Replace the tracked states (as returned by ``get_states``; seeds are not restored).
+
+        A state saved without CUDA (a CPU run) keeps this process's current CUDA state for that name, so resuming
+        a CPU checkpoint on a GPU still gives each TP rank its own stream."""
+        new = {}
+        for name, st in states.items():
+            new[name] = {k: (v.clone() if v is not None else None) for k, v in st.items()}
+            if new[name].get("cuda") is None and name in self._states:
+                new[name]["cuda"] = self._states[name].get("cuda")
+        self._states = new
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):

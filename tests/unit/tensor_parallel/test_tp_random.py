@@ -188,3 +188,14 @@ def _dist_body(rank, world):
 
 def test_rng_and_recompute_distributed():
     run_distributed(_dist_body, 4)
+
+
+def test_set_states_keeps_current_cuda_state_when_saved_without_cuda():
+    tr = RNGStatesTracker()
+    tr.add("a", 3)
+    marker = torch.arange(4, dtype=torch.uint8)
+    tr._states["a"]["cuda"] = marker  # as if this process had CUDA
+    saved_on_cpu = {"a": {"cpu": torch.get_rng_state(), "cuda": None}}
+    tr.set_states(saved_on_cpu)
+    assert torch.equal(tr.get_states()["a"]["cuda"], marker)
+    assert torch.equal(tr.get_states()["a"]["cpu"], saved_on_cpu["a"]["cpu"])
