@@ -200,10 +200,11 @@ def run_ours_wrapper(argv: list) -> None:
                 prof = state["prof"]
                 prof.__exit__(None, None, None)
                 state["prof"] = None
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
-                with open(os.path.join(out_dir, "profile_ours.txt"), "w") as f:
+                table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=70,
+                                                  max_name_column_width=100)
+                layers = argv[argv.index("--num-layers") + 1] if "--num-layers" in argv else "x"
+                with open(os.path.join(out_dir, f"profile_ours_L{layers}.txt"), "w") as f:
                     f.write(table)
-                prof.export_chrome_trace(os.path.join(out_dir, "trace_ours.json"))
                 print(table, flush=True)
             return out
 
