@@ -84,6 +84,8 @@ class DistributedOptimizer(MegatronOptimizer):
         return groups
 
     def _copy_model_grads_to_main(self) -> None:
+        for chunk in self.model_chunks:  # an overlapped all-gather of the last step must not race this update
+            chunk.finish_param_sync()
         for pc in self.pieces:
             pc.main.grad = pc.buffer.grad_data[pc.lo:pc.hi].float()  # [hi - lo]; a view when fp32
 
