@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
+    _all_gather_dim0,
+    _reduce_scatter_dim0,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -79,6 +81,42 @@ def _empty(shape, config: TransformerConfig) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=default_device(), dtype=config.params_dtype))
 
 
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """Column-parallel GEMM on a sequence-parallel input that keeps only the local shard for the backward.
+
+    Forward: all-gather ``x [s/tp, b, in] -> [s, b, in]``; ``y = x W^T + b``; save ``x`` (the local shard).
+    Backward: all-gather ``x`` again (overlapped with the input-gradient GEMM ``dY W``), then reduce-scatter
+    the input gradient along dimension 0 (overlapped with the weight-gradient GEMM).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        total = _all_gather_dim0(x, group)  # [s, b, in]
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(total, weight, bias)  # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        pending_total = _all_gather_dim0(x, ctx.group, async_op=True) if need_w else None
+        grad_x = None
+        if need_x:
+            grad_total = grad_out.matmul(weight)  # [s, b, in], partial over TP
+            pending_grad_x = _reduce_scatter_dim0(grad_total, ctx.group, async_op=True)
+        grad_w = grad_b = None
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, out/tp]
+        if need_w:
+            total = pending_total.wait()
+            grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out/tp, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(dim=0)
+        if need_x:
+            grad_x = pending_grad_x.wait()  # [s/tp, b, in]
+        return grad_x, grad_w, grad_b, None
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns: rank ``r`` holds ``A_r`` and computes ``Y_r = X A_r + b_r``.
 
@@ -90,6 +128,11 @@ class ColumnParallelLinear(nn.Module):
     ``skip_bias_add=True`` returns the bias instead of adding it, so the caller can fuse it with the next
     element-wise op. ``skip_weight_param_allocation=True`` allocates no weight; ``forward`` must then be given
     one (the output layer tied to the word embedding).
+
+    ``save_gathered_input`` (sequence parallelism only): True keeps the all-gathered ``[s, b, in]`` input for
+    the weight gradient (no extra communication); False keeps only the local ``[s/tp, b, in]`` shard and
+    all-gathers it again in the backward, overlapped with the input-gradient GEMM, as Megatron-LM does; this
+    saves ``(tp - 1)/tp`` of that activation at the cost of one more all-gather per layer in the backward.
     """
 
     def __init__(
@@ -103,9 +146,11 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
+        save_gathered_input: bool = True,
     ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
+        self.save_gathered_input = save_gathered_input
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.output_size_per_partition = _divide(output_size, pstate.tp_size, "output size of a column-parallel linear")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -135,12 +180,15 @@ class ColumnParallelLinear(nn.Module):
         elif weight.shape != (self.output_size_per_partition, self.input_size):
             raise ValueError(f"ColumnParallelLinear: weight shape {tuple(weight.shape)} should be "
                              f"{(self.output_size_per_partition, self.input_size)}")
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in]
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, weight, bias)  # [s, b, out/tp]
+        if self.sequence_parallel and not self.save_gathered_input:
+            out = _SequenceParallelColumnLinear.apply(x, weight, bias, self.tp_group)  # [s, b, out/tp]
+        else:
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
+            else:
+                x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in]
+            out = F.linear(x, weight, bias)  # [s, b, out/tp]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)

@@ -16,7 +16,7 @@ so a single process needs no ``torch.distributed`` at all.
 | ``reduce_scatter_to_sequence_parallel_region`` | reduce-scatter dim 0    | all-gather dim 0        |
 
 All communication goes through four private helpers (``_all_reduce``, ``_all_gather_dim0``,
-``_reduce_scatter_dim0``, ``_broadcast``) which record each call, so ``count_collectives()`` can count them by
+``_reduce_scatter_dim0``, ``_broadcast``; the two dim-0 ones can run asynchronously) which record each call, so ``count_collectives()`` can count them by
 kind. On NCCL the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are used; on gloo (CPU), which
 lacks a portable reduce-scatter, the reduce-scatter is an all-reduce followed by taking the local chunk (the same
 result; still counted as one ``reduce_scatter``).
@@ -91,32 +91,50 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM)
     return out
 
 
-def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``x`` (same shape on all ranks) along dimension 0, in group-rank order."""
+class Pending:
+    """A collective issued with ``async_op=True``; ``wait()`` blocks until it is done and returns its result."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._finish()
+
+
+def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Concatenate every rank's ``x`` (same shape on all ranks) along dimension 0, in group-rank order.
+
+    With ``async_op=True`` returns a ``Pending`` whose ``wait()`` gives the result."""
     _record("all_gather")
     world = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     if _is_nccl(group):
-        dist.all_gather_into_tensor(out, x, group=group)
+        work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
     else:
-        dist.all_gather(list(out.chunk(world, dim=0)), x, group=group)
-    return out
+        work = dist.all_gather(list(out.chunk(world, dim=0)), x, group=group, async_op=async_op)
+    return Pending(work, lambda: out) if async_op else out
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and return this rank's chunk of dimension 0 (size ``x.shape[0] / world``)."""
+def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Sum ``x`` over ``group`` and return this rank's chunk of dimension 0 (size ``x.shape[0] / world``).
+
+    With ``async_op=True`` returns a ``Pending`` whose ``wait()`` gives the result."""
     _record("reduce_scatter")
     world = dist.get_world_size(group)
     _check_divisible(x.shape[0], world, "dimension 0 (sequence)")
     x = x.contiguous()
     if _is_nccl(group):
         out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x, group=group)
-        return out
+        work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+        return Pending(work, lambda: out) if async_op else out
     full = x.clone()
-    dist.all_reduce(full, group=group)
-    return full.chunk(world, dim=0)[dist.get_rank(group)].contiguous()
+    work = dist.all_reduce(full, group=group, async_op=async_op)
+    rank = dist.get_rank(group)
+    finish = lambda: full.chunk(world, dim=0)[rank].contiguous()  # noqa: E731
+    return Pending(work, finish) if async_op else finish()
 
 
 def _broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:

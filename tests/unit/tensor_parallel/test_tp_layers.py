@@ -49,16 +49,31 @@ def _check_column(ps, sp, tp):
     y_ref = ref(x_full)
     y_ref.backward(up)
 
-    for gather_output in ([False] if sp else [False, True]):
-        col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, gather_output=gather_output)
+    # (gather_output, save_gathered_input): the second only matters under SP
+    variants = [(False, True), (False, False)] if sp else [(False, True), (True, True)]
+    for gather_output, save_gathered in variants:
+        col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, gather_output=gather_output,
+                                   save_gathered_input=save_gathered)
         assert col.weight.shape == (FFN // tp, H) and col.weight.partition_dim == 0
         assert col.weight.tensor_model_parallel and col.bias.tensor_model_parallel and col.bias.partition_dim == 0
         with torch.no_grad():
             col.weight.copy_(ref.weight.chunk(tp, 0)[r])
             col.bias.copy_(ref.bias.chunk(tp, 0)[r])
         x = (x_full.detach().chunk(tp, 0)[r] if sp else x_full.detach()).clone().requires_grad_(True)
-        y, bias = col(x)
+        saved = []
+        w_ptr = col.weight.untyped_storage().data_ptr()
+
+        def pack(t):  # record the size of every saved activation (not the weight)
+            if t.untyped_storage().data_ptr() != w_ptr:
+                saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, bias = col(x)
         assert bias is None
+        # the activation kept for backward: the full [s, b, in], or only the local shard
+        kept = S * B * H if (not sp or save_gathered) else S // tp * B * H
+        assert saved == [kept], saved
         if gather_output:
             torch.testing.assert_close(y, y_ref, **TOL)
             y.backward(up)
@@ -119,7 +134,7 @@ def _check_row(ps, sp, tp):
     assert bias is row.bias
 
 
-def _check_mlp_pair(ps, sp, tp):
+def _check_mlp_pair(ps, sp, tp, save_gathered=True):
     """Column -> GeLU -> Row equals the unsharded MLP, with Megatron's collective count."""
     r = ps.tp_rank
     fc1, fc2 = _ref_linear(7, H, FFN), _ref_linear(8, FFN, H)
@@ -128,7 +143,8 @@ def _check_mlp_pair(ps, sp, tp):
     y_ref = fc2(F.gelu(fc1(x_full)))
     y_ref.backward(up)
 
-    col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, skip_bias_add=True)
+    col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, skip_bias_add=True,
+                               save_gathered_input=save_gathered)
     row = RowParallelLinear(FFN, H, config=_cfg(sp), pstate=ps)
     with torch.no_grad():
         col.weight.copy_(fc1.weight.chunk(tp, 0)[r]); col.bias.copy_(fc1.bias.chunk(tp, 0)[r])
@@ -141,7 +157,8 @@ def _check_mlp_pair(ps, sp, tp):
         y.backward(up.chunk(tp, 0)[r] if sp else up)
     if sp:  # each all-reduce becomes reduce-scatter + all-gather
         assert fwd == Counter(all_gather=1, reduce_scatter=1), fwd
-        assert bwd == Counter(all_gather=1, reduce_scatter=1), bwd
+        # without the saved gathered input the backward gathers it once more (Megatron-LM's memory saving)
+        assert bwd == Counter(all_gather=1 if save_gathered else 2, reduce_scatter=1), bwd
         torch.testing.assert_close(y, y_ref.detach().chunk(tp, 0)[r], **TOL)
         torch.testing.assert_close(x.grad, x_full.grad.chunk(tp, 0)[r], **TOL)
     else:  # g in the forward, f in the backward
@@ -183,6 +200,7 @@ def _check_all(ps):
         _check_column(ps, sp, tp)
         _check_row(ps, sp, tp)
         _check_mlp_pair(ps, sp, tp)
+    _check_mlp_pair(ps, True, tp, save_gathered=False)
     _check_embedding(ps, tp)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
         ColumnParallelLinear(H, tp + 1, config=_cfg(False), pstate=ps)
