@@ -79,8 +79,10 @@ def get_group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group)
 
 
-def _is_nccl(group: dist.ProcessGroup) -> bool:
-    return dist.get_backend(group) == "nccl"
+def _native_dim0_collectives(group: dist.ProcessGroup, x: torch.Tensor) -> bool:
+    """True when ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are available: NCCL with CUDA tensors
+    (the backend string may name several backends, e.g. ``cpu:gloo,cuda:nccl``)."""
+    return x.is_cuda and "nccl" in str(dist.get_backend(group))
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -111,7 +113,7 @@ def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool =
     world = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if _is_nccl(group):
+    if _native_dim0_collectives(group, x):
         work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
     else:
         work = dist.all_gather(list(out.chunk(world, dim=0)), x, group=group, async_op=async_op)
@@ -126,7 +128,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup, async_op: bo
     world = dist.get_world_size(group)
     _check_divisible(x.shape[0], world, "dimension 0 (sequence)")
     x = x.contiguous()
-    if _is_nccl(group):
+    if _native_dim0_collectives(group, x):
         out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
         return Pending(work, lambda: out) if async_op else out
