@@ -50,10 +50,12 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool
     return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
-def reduce_scatter_inplace(bucket: torch.Tensor, rank: int, group, async_op: bool = True) -> Pending:
-    """Sum ``bucket`` [n] over ``group`` so that this rank's shard ``bucket[rank*n/g:(rank+1)*n/g]`` is reduced.
+def reduce_scatter_inplace(bucket: torch.Tensor, rank: int, group, async_op: bool = True,
+                           op=dist.ReduceOp.SUM) -> Pending:
+    """Reduce ``bucket`` [n] over ``group`` so that this rank's shard ``bucket[rank*n/g:(rank+1)*n/g]`` holds the result.
 
-    The rest of ``bucket`` is left unspecified (local partial sums on NCCL).
+    The rest of ``bucket`` is left unspecified (local partial sums on NCCL). ``op`` other than SUM (AVG) is
+    only used on NCCL.
     """
     size = group_size(group)
     if size == 1:
@@ -62,7 +64,7 @@ def reduce_scatter_inplace(bucket: torch.Tensor, rank: int, group, async_op: boo
     out = bucket[rank * shard:(rank + 1) * shard]
     backend = backend_of(group)
     if backend == "nccl":
-        return Pending(_reduce_scatter(out, bucket, group=group, async_op=async_op))
+        return Pending(_reduce_scatter(out, bucket, op=op, group=group, async_op=async_op))
     if _HAS_REDUCE_SCATTER.get(backend, True):
         tmp = torch.empty_like(out)
         try:

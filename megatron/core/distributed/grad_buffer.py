@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.distributed.comm import Pending, all_gather_inplace, all_reduce, reduce_scatter_inplace
 
@@ -119,8 +120,6 @@ class GradBuffer:
         """Launch the asynchronous mean over DP of ``bucket``'s grads (all-reduce, or reduce-scatter)."""
         if bucket.grad_handle is not None:
             return
-        import torch.distributed as dist
-
         op = dist.ReduceOp.SUM
         if self.dp_size > 1:
             if use_avg:
@@ -128,14 +127,7 @@ class GradBuffer:
             else:
                 bucket.grad_data.mul_(1.0 / self.dp_size)
         if self.sharded:
-            if op == dist.ReduceOp.AVG:
-                # reduce_scatter_inplace sums; AVG is only requested on NCCL where it is supported
-                shard = bucket.numel // self.dp_size
-                out = bucket.grad_data[dp_rank * shard:(dp_rank + 1) * shard]
-                work = dist.reduce_scatter_tensor(out, bucket.grad_data, op=op, group=dp_group, async_op=True)
-                bucket.grad_handle = Pending(work)
-            else:
-                bucket.grad_handle = reduce_scatter_inplace(bucket.grad_data, dp_rank, dp_group)
+            bucket.grad_handle = reduce_scatter_inplace(bucket.grad_data, dp_rank, dp_group, op=op)
         else:
             bucket.grad_handle = all_reduce(bucket.grad_data, dp_group, op=op, async_op=True)
 

@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.core.distributed.comm import all_gather_inplace, all_reduce, group_size
+from megatron.core.distributed.comm import all_gather_inplace, all_reduce
 from megatron.core.optimizer.clip_grads import param_counts_for_norm
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig

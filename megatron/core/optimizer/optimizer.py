@@ -12,7 +12,7 @@ The distributed optimizer (``distrib_optimizer.py``) is a third layout on the sa
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

@@ -1,7 +1,6 @@
 """Loss-scaler arithmetic: backoff after the hysteresis budget, growth after the window, floors, state dicts."""
 
 import pytest
-import torch
 
 from megatron.core.optimizer import ConstantGradScaler, DynamicGradScaler, OptimizerConfig
 
