@@ -33,7 +33,8 @@ def _save(rank, world, path):
         torch.save({"model": model_state, "optimizer": optim_state}, path)
         assert len(optim_state["params"]) == len(list(ddp.parameters()))
         assert optim_state["scalar_state"] == {"step": float(FIRST)}
-    _bf16(rank, world)  # reuse these processes for the bf16 check
+    _bf16(rank, world)  # reuse these processes for the bf16 and fp16 checks
+    _fp16_overflow_on_one_rank(rank, world)
 
 
 def _resume(rank, world, path):
@@ -87,3 +88,32 @@ def _bf16(rank, world):
     # the full state dict's fp32 params round to the model's bf16 params
     for entry, p in zip(opt.state_dict()["params"], ddp.parameters()):
         assert torch.equal(entry["param"].bfloat16(), p.detach())
+
+
+def _fp16_overflow_on_one_rank(rank, world):
+    """fp16 + distributed optimizer: an inf in the shard of DP rank 0 alone makes every rank skip the step."""
+    from megatron.core.distributed import finalize_model_grads
+
+    pstate = ParallelState.build(1, 1)
+    ddp, opt = _build(pstate, 1234, dtype=torch.float16, fp16=True, hysteresis=1, initial_loss_scale=2.0 ** 12)
+    x, y = global_batch(0)
+    x, y = x[rank * 4:(rank + 1) * 4].half(), y[rank * 4:(rank + 1) * 4]
+    opt.zero_grad()
+    opt.scale_loss(loss_fn(ddp(x), y)).backward()
+    finalize_model_grads([ddp], pstate)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    mains = [m.detach().clone() for m in opt.owned_main_params()]
+    if rank == 0:
+        buf = ddp.buffers[0]
+        lo, _ = buf.shard_range(buf.buckets[0], 0)
+        buf.grad_data[lo] = float("inf")  # only rank 0 reads this element
+    ok, norm, _ = opt.step()
+    assert not ok and norm is None
+    assert opt.get_loss_scale().item() == 2.0 ** 11  # hysteresis 1: halves at once, on every rank
+    assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(mains, opt.owned_main_params()))
+    # the next clean step goes through
+    opt.zero_grad()
+    opt.scale_loss(loss_fn(ddp(x), y)).backward()
+    finalize_model_grads([ddp], pstate)
+    assert opt.step()[0]

@@ -14,8 +14,8 @@ from tests.unit.distributed.dp_tiny import global_batch, loss_fn, make_model
 SINGLE = ParallelState.single()
 
 
-def _wrap(dtype, **opt_kw):
-    ddp = DistributedDataParallel(make_model(dtype=dtype), pstate=SINGLE, config=DDPConfig())
+def _wrap(dtype, ddp_config=None, **opt_kw):
+    ddp = DistributedDataParallel(make_model(dtype=dtype), pstate=SINGLE, config=ddp_config or DDPConfig())
     opt = get_megatron_optimizer(OptimizerConfig(**opt_kw), [ddp], SINGLE)
     return ddp, opt
 
@@ -145,3 +145,18 @@ def test_weight_decay_groups():
     for n, p in ddp.named_parameters():
         expected = before[n] * (1 - 0.1 * 0.5) if p.dim() == 2 else before[n]
         torch.testing.assert_close(p, expected, rtol=0, atol=1e-7)
+
+
+def test_bf16_grads_reduced_in_bf16_when_asked():
+    """grad_reduce_in_fp32=False keeps a bf16 buffer; the optimizer still steps fp32 main params."""
+    ddp, opt = _wrap(torch.bfloat16, DDPConfig(grad_reduce_in_fp32=False), bf16=True, lr=1e-2)
+    assert all(p.main_grad.dtype == torch.bfloat16 for p in ddp.parameters())
+    x, y = global_batch(0)
+    losses = []
+    for _ in range(10):
+        opt.zero_grad()
+        loss = loss_fn(ddp(x.bfloat16()), y)
+        loss.backward()
+        assert opt.step()[0]
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]
