@@ -7,14 +7,14 @@ a whole batch of sends and receives with ``torch.distributed.batch_isend_irecv``
 batching lets two neighbours send to each other at the same time without deadlocking, on gloo and NCCL.
 
 Peers are *global* ranks (``pstate.next_pp_rank`` / ``pstate.prev_pp_rank``); the ops run on
-``pstate.pp_group``. With gloo (CPU) tensors travel through host memory; with NCCL on the current CUDA
-device. Between two ranks, sends are matched with receives in the order they are posted, so a schedule must
+``pstate.pp_group``. With gloo tensors travel through host memory; with NCCL on the current CUDA device.
+Received tensors are handed over on the model's device. Between two ranks, sends are matched with receives in the order they are posted, so a schedule must
 post them in the same order on both sides (the schedules in ``schedules.py`` guarantee it).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,9 @@ def pipeline_tensor_shape(
 class P2PCommunicator:
     """Batched isend/irecv of ``[s(/tp), b, h]`` tensors of one dtype over the pipeline group."""
 
-    def __init__(self, pstate, tensor_shape: Sequence[int], dtype: torch.dtype):
+    def __init__(self, pstate, tensor_shape: Sequence[int], dtype: torch.dtype,
+                 device: Optional[torch.device] = None):
+        """``device``: where received tensors are handed to the model (default: ``default_device()``)."""
         if pstate.pp_size > 1 and (pstate.pp_group is None or not dist.is_initialized()):
             raise RuntimeError(
                 f"pipeline parallelism with {pstate.pp_size} stages needs torch.distributed and "
@@ -55,11 +57,12 @@ class P2PCommunicator:
         self.group = pstate.pp_group
         self.shape = tuple(int(d) for d in tensor_shape)
         self.dtype = dtype
-        self.compute_device = default_device()
+        self.compute_device = torch.device(device) if device is not None else default_device()
         backend = str(dist.get_backend(self.group)) if self.group is not None else "gloo"
         self.uses_nccl = "nccl" in backend
         # gloo moves host tensors; NCCL device tensors
-        self.wire_device = self.compute_device if self.uses_nccl else torch.device("cpu")
+        self.wire_device = (torch.device("cuda", torch.cuda.current_device()) if self.uses_nccl
+                            else torch.device("cpu"))
 
     def _warm_up(self) -> None:
         """Create the NCCL communicator with a collective every rank of the group joins.

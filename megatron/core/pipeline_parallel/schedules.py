@@ -348,7 +348,9 @@ def forward_backward_pipelining(
         )
     actions = build_schedule(pstate.pp_size, pstate.pp_rank, num_microbatches, num_chunks, forward_only)
     shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, pstate.tp_size, sequence_parallel)
-    comm = P2PCommunicator(pstate, shape, dtype)
+    first_param = next(chunks[0].parameters(), None)
+    device = first_param.device if first_param is not None else None  # receive where the model lives
+    comm = P2PCommunicator(pstate, shape, dtype, device)
     stats = run_actions(
         actions,
         forward_step_func=forward_step_func,
