@@ -337,8 +337,9 @@ def forward_backward_pipelining(
     """1F1B across ``pstate.pp_size`` stages; interleaved 1F1B when ``model`` holds several chunks.
 
     ``model[c]`` is virtual stage ``c * pp_size + pp_rank``. Stages exchange ``[s, b, h]`` tensors
-    (``[s/tp, b, h]`` with ``sequence_parallel``) of ``dtype``. ``data_iterator`` is one iterator shared by
-    all chunks or a list with one per chunk; each chunk's forward passes pull from it in microbatch order.
+    (``[s/tp, b, h]`` with ``sequence_parallel``) of ``dtype``. ``data_iterator`` is a list with one
+    iterator per chunk (each chunk's forward passes pull from it in microbatch order) or one iterator
+    shared by all chunks (right only when at most one chunk of this rank reads data).
     """
     chunks = as_chunk_list(model)
     num_chunks = len(chunks)
