@@ -34,11 +34,20 @@ def param_counts_for_norm(param: torch.nn.Parameter, pstate) -> bool:
 
 
 def squared_norm(grads: List[torch.Tensor], device) -> torch.Tensor:
-    """Sum of squares of ``grads`` in fp32, as a [1] tensor on ``device``."""
-    total = torch.zeros(1, dtype=torch.float32, device=device)
+    """Sum of squares of ``grads`` as a [1] fp64 tensor on ``device``.
+
+    On CUDA the per-tensor norms come from one fused fp32 multi-tensor kernel (tree reductions, accurate);
+    on the CPU the fp32 norm kernel accumulates sequentially and loses ~1e-4 relative on tensors of a few
+    million elements, which would make clipping depend on how tensors are split (e.g. into distributed-
+    optimizer shards), so the CPU accumulates in fp64.
+    """
+    total = torch.zeros(1, dtype=torch.float64, device=device)
     if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2.0)
-        total += torch.stack(norms).square().sum()
+        if grads[0].device.type == "cuda":
+            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2.0)
+        else:
+            norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
+        total += torch.stack([n.double() for n in norms]).square().sum()
     return total
 
 
