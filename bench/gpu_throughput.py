@@ -234,7 +234,7 @@ def run_ours(shape_name: str, iters: int, warmup: int, data_prefix: str, extra: 
 # ---------------------------------------------------------------------------------------------------------------
 # kernel micro-benchmark (``--kernels``): each fused op against its eager and compiled reference, fwd+bwd
 # ---------------------------------------------------------------------------------------------------------------
-def run_kernel_bench(results_dir: str) -> list:
+def run_kernel_bench(results_dir: str, with_compiled: bool = False) -> list:
     import torch
     import triton.testing
 
@@ -264,7 +264,8 @@ def run_kernel_bench(results_dir: str) -> list:
     for name, (inputs, mk, fused, ref, min_bytes) in cases.items():
         grad = None
         timings = {}
-        for label, fn in (("fused", fused), ("eager", ref), ("compiled", torch.compile(ref))):
+        variants = [("fused", fused), ("eager", ref)] + ([("compiled", torch.compile(ref))] if with_compiled else [])
+        for label, fn in variants:
             call = mk(fn)
             out = call()
             grad = torch.randn_like(out)
@@ -442,6 +443,12 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--run-ours":
         run_ours_wrapper(sys.argv[3:] if sys.argv[2] == "--" else sys.argv[2:])
         return
+    # "--ours-args --flag" would make argparse read --flag as an option: glue the value to its option.
+    argv = sys.argv[1:]
+    for i in range(len(argv) - 1):
+        if argv[i] == "--ours-args":
+            argv[i:i + 2] = [f"--ours-args={argv[i + 1]}", ""]
+    sys.argv[1:] = [x for x in argv if x != ""]
     ap = argparse.ArgumentParser(description="Throughput/MFU of our trainer and its peers on one GPU.")
     ap.add_argument("--trainers", default=",".join(TRAINERS))
     ap.add_argument("--shapes", default="1.3b,124m")
@@ -453,6 +460,7 @@ def main() -> None:
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--log-dir", default=None, help="where to keep our trainer's full logs")
     ap.add_argument("--kernels", action="store_true", help="also time the fused kernels (gpu_kernels.{json,md})")
+    ap.add_argument("--kernels-compiled", action="store_true", help="with --kernels: also torch.compile'd references")
     ap.add_argument("--probe", default="", help="comma list of SHAPE:VARIANT[:profile] model probes "
                     f"(variants: {', '.join(PROBE_VARIANTS)}); results in model_probe.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -537,7 +545,7 @@ def main() -> None:
                 json.dump(probes, f, indent=2)
 
     if a.kernels:
-        run_kernel_bench(a.results_dir)
+        run_kernel_bench(a.results_dir, a.kernels_compiled)
 
 
 if __name__ == "__main__":

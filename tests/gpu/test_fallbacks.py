@@ -74,3 +74,29 @@ def test_scaled_masked_softmax_keeps_16bit_state():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ops.scaled_masked_softmax(scores, torch.ones(32, 32, dtype=torch.bool).triu_(1), 0.5)
     assert saved == [(torch.bfloat16, scores.numel())]
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_gelu_linear_matches_and_saves_less(with_bias):
+    """F.linear(gelu(x + b), W) with the GeLU output recomputed: same values and grads, one [.., 4h] tensor fewer."""
+    from megatron.core.fusions import bias_gelu_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 3, 64, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(64, dtype=torch.float64, requires_grad=True) if with_bias else None
+    w = torch.randn(16, 64, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(7, 3, 16, dtype=torch.float64)
+    leaves = [t for t in (x, b, w) if t is not None]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        out = bias_gelu_linear(x, b, w)
+    out.backward(g)
+    got = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    ref = torch.nn.functional.linear(ops.bias_gelu_reference(x, b), w)
+    ref.backward(g)
+    assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
+    for a, r in zip(got, [t.grad for t in leaves]):
+        assert torch.allclose(a, r, rtol=1e-10, atol=1e-12)
+    assert torch.Size([7, 3, 64]) in saved and saved.count(torch.Size([7, 3, 64])) == 1  # x only, no gelu(x+b)

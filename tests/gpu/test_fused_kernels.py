@@ -169,3 +169,22 @@ def test_fused_cross_entropy_peak_memory_is_lean():
     # in-place backward writes the gradient into the logits' storage; at most one bf16 copy may appear (when
     # autograd clones it into the leaf's .grad), never an fp32 one
     assert extra < 0.6 * fp32_copy, f"extra peak {extra / 2**20:.0f} MiB vs fp32 copy {fp32_copy / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_gelu_linear(dtype, with_bias):
+    """The recomputing GeLU+GEMM (Triton element-wise parts) against F.linear(gelu(x + b), W)."""
+    from megatron.core.fusions import bias_gelu_linear
+
+    x = _leaf((256, 4, 1024), dtype)
+    b = _leaf((1024,), dtype) if with_bias else None
+    w = _leaf((256, 1024), dtype, 0.05)
+    g = torch.randn(256, 4, 256, device="cuda", dtype=dtype)
+    out_f, grads_f = _grads(lambda: bias_gelu_linear(x, b, w), [x, b, w], g)
+    out_r, grads_r = _grads(lambda: torch.nn.functional.linear(ops.bias_gelu_reference(x, b), w), [x, b, w], g)
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]  # fp32 GEMMs may run in TF32
+    assert rel_err(out_f, out_r) < tol
+    for gf, gr in zip(grads_f, grads_r):
+        if gr is not None:
+            assert rel_err(gf, gr) < tol

@@ -73,11 +73,13 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.c
 
 
 def _launch_shape(m: int, n: int, device: torch.device):
-    """(grid, row tiles per program): about 4 programs per multiprocessor, each a column block x row range."""
+    """(grid, row tiles per program): about 64 programs per multiprocessor (enough loads in flight to run at
+    memory bandwidth; measured on an H200, 4 per multiprocessor ran at a third of it), each program a column
+    block x a short run of row tiles whose bias-gradient partial sums it writes once."""
     col_blocks = triton.cdiv(n, _BLOCK_N)
     row_tiles_total = triton.cdiv(m, _BLOCK_M)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    row_groups = max(1, min(row_tiles_total, (4 * sms + col_blocks - 1) // col_blocks))
+    row_groups = max(1, min(row_tiles_total, triton.cdiv(64 * sms, col_blocks)))
     per_program = triton.cdiv(row_tiles_total, row_groups)
     row_groups = triton.cdiv(row_tiles_total, per_program)
     return (col_blocks, row_groups), per_program
@@ -107,21 +109,27 @@ class BiasGeLUFunction(torch.autograd.Function):
             x, bias = ctx.saved_tensors
         else:
             (x,), bias = ctx.saved_tensors, None
-        dy = dy.contiguous()
-        dx = torch.empty_like(x)
-        n = x.shape[-1]
-        m = x.numel() // n if n else 0
-        dbias = None
-        if m and n:
-            grid, tiles = _launch_shape(m, n, x.device)
-            part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device) if bias is not None else x
-            _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
-                                        HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
-            if bias is not None:
-                dbias = part.sum(0).to(bias.dtype)
-        elif bias is not None:
-            dbias = torch.zeros_like(bias)
-        return dx, dbias
+        return bias_gelu_backward(dy, x, bias)
+
+
+def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dy``, in one Triton pass."""
+    x = x.contiguous()
+    dy = dy.contiguous()
+    dx = torch.empty_like(x)
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    dbias = None
+    if m and n:
+        grid, tiles = _launch_shape(m, n, x.device)
+        part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device) if bias is not None else x
+        _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
+                                    HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
+        if bias is not None:
+            dbias = part.sum(0).to(bias.dtype)
+    elif bias is not None:
+        dbias = torch.zeros_like(bias)
+    return dx, dbias
 
 
 @triton.jit

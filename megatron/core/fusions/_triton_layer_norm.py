@@ -114,7 +114,7 @@ class LayerNormFunction(torch.autograd.Function):
         dy2 = dy.reshape(m, n).contiguous()
         dx = torch.empty_like(x2)
         sms = torch.cuda.get_device_properties(x2.device).multi_processor_count if x2.is_cuda else 4
-        programs = max(1, min(m, 4 * sms))
+        programs = max(1, min(m, 16 * sms))  # 16 per multiprocessor keeps enough rows in flight
         rows_per_program = triton.cdiv(m, programs)
         programs = triton.cdiv(m, rows_per_program)
         dw_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
-    from megatron.core.fusions._triton_elementwise import BiasDropoutAddFunction, BiasGeLUFunction
+    from megatron.core.fusions._triton_elementwise import BiasDropoutAddFunction, BiasGeLUFunction, bias_gelu_backward
     from megatron.core.fusions._triton_layer_norm import LayerNormFunction, triton_layer_norm_supported
 
     HAVE_TRITON = True
