@@ -188,3 +188,30 @@ def test_bias_gelu_linear(dtype, with_bias):
     for gf, gr in zip(grads_f, grads_r):
         if gr is not None:
             assert rel_err(gf, gr) < tol
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_grad_accumulation_fusion(with_bias):
+    """Weight grads land in the fp32 main_grad (accumulated over two calls); x and bias grads as F.linear's."""
+    from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
+
+    w = torch.nn.Parameter(torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) * 0.05)
+    w.main_grad = torch.randn(384, 256, device="cuda", dtype=torch.float32)
+    start = w.main_grad.clone()
+    b = torch.nn.Parameter(torch.randn(384, device="cuda", dtype=torch.bfloat16)) if with_bias else None
+    ref_w = w.detach().float().clone().requires_grad_()
+    ref_b = b.detach().float().clone().requires_grad_() if with_bias else None
+    for _ in range(2):
+        x = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(64, 4, 384, device="cuda", dtype=torch.bfloat16)
+        out = linear_with_grad_accumulation_fusion(x, w, b)
+        out.backward(g)
+        xr = x.detach().float().requires_grad_()
+        ref = torch.nn.functional.linear(xr, ref_w, ref_b)
+        ref.backward(g.float())
+        assert rel_err(out, ref) < 1e-2
+        assert rel_err(x.grad, xr.grad) < 1e-2
+    assert w.grad is None and w.grad_added_to_main_grad
+    assert rel_err(w.main_grad - start, ref_w.grad) < 1e-2
+    if with_bias:
+        assert rel_err(b.grad, ref_b.grad) < 1e-2

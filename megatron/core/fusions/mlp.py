@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions import ops
+from megatron.core.fusions.linear import _accumulate_wgrad
 
 
 def _gelu_forward(x: torch.Tensor, bias: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
@@ -40,10 +41,12 @@ def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tens
 
 class BiasGeLULinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor, fused: bool):
+    def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor, fused: bool,
+                accumulate_into_main_grad: bool):
         g = _gelu_forward(x, bias, fused)  # [s, b, ffn] temporary, freed after the GEMM
         out = F.linear(g, weight)  # [s, b, h] (partial under TP)
         ctx.fused = fused
+        ctx.weight, ctx.accumulate_into_main_grad = weight, accumulate_into_main_grad
         ctx.save_for_backward(x, bias, weight) if bias is not None else ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return out
@@ -56,17 +59,30 @@ class BiasGeLULinearFunction(torch.autograd.Function):
             (x, weight), bias = ctx.saved_tensors, None
         g = _gelu_forward(x, bias, ctx.fused)  # recomputed [s, b, ffn]
         d2 = dout.reshape(-1, dout.shape[-1])  # [s*b, h]
-        dweight = d2.t().matmul(g.reshape(-1, g.shape[-1]))  # [h, ffn]
+        main_grad = getattr(ctx.weight, "main_grad", None)
+        if ctx.accumulate_into_main_grad and main_grad is not None:
+            # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
+            _accumulate_wgrad(main_grad, d2, g.reshape(-1, g.shape[-1]))
+            ctx.weight.grad_added_to_main_grad = True
+            dweight = None
+        else:
+            dweight = d2.t().matmul(g.reshape(-1, g.shape[-1])).to(weight.dtype)  # [h, ffn]
         del g
         dg = dout.matmul(weight)  # [s, b, ffn]
         dx, dbias = _gelu_backward(x, bias, dg, ctx.fused)
-        return dx, dbias, dweight.to(weight.dtype), None
+        return dx, dbias, dweight, None, None
 
 
 def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
-                     use_fused: bool = True) -> torch.Tensor:
-    """F.linear(gelu(x + bias), weight) keeping only ``x`` for backward (the GeLU output is recomputed)."""
+                     use_fused: bool = True, gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+    """F.linear(gelu(x + bias), weight) keeping only ``x`` for backward (the GeLU output is recomputed).
+
+    With ``gradient_accumulation_fusion`` and an fp32 ``weight.main_grad`` on CUDA, the weight gradient is added
+    into ``main_grad`` by the GEMM (see ``megatron.core.fusions.linear``) and ``weight.grad`` stays empty.
+    """
     fused = ops._fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:])
     if torch.compiler.is_compiling():
         return F.linear(ops.bias_gelu_reference(x, bias), weight)
-    return BiasGeLULinearFunction.apply(x, bias, weight, fused)
+    accumulate = (gradient_accumulation_fusion and x.is_cuda
+                  and getattr(getattr(weight, "main_grad", None), "dtype", None) == torch.float32)
+    return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate)

@@ -1,0 +1,59 @@
+"""Linear layer with gradient-accumulation fusion: the weight gradient GEMM accumulates straight into the fp32
+``weight.main_grad`` buffer of the data-parallel wrapper.
+
+Without it, backward writes a bf16 ``weight.grad`` and the DDP hook then runs ``main_grad += grad`` (one more
+pass over every weight: read 2 + 4 bytes, write 4, per parameter and microbatch, plus the bf16 gradient at the
+memory peak). With it, cuBLAS reads and writes the fp32 buffer in the GEMM's epilogue
+(``torch.addmm(main_grad, dy^T, x, out_dtype=float32, out=main_grad)``) and the weight gets no ``.grad``; the
+function sets ``weight.grad_added_to_main_grad = True`` (Megatron's attribute) so a DDP wrapper can tell.
+Because no ``.grad`` arrives, post-accumulate-grad hooks do not fire for such weights: a wrapper that overlaps
+communication by counting hooks must launch those buckets at the end (``finish_grad_sync`` already does).
+
+``linear_with_grad_accumulation_fusion(x, weight, bias)`` equals ``F.linear(x, weight, bias)`` in value and in the
+gradients of ``x`` and ``bias``; it falls back to plain ``F.linear`` when the weight has no fp32 ``main_grad``,
+off CUDA, and while ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _accumulate_wgrad(main_grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
+    """main_grad += dy2^T @ x2 with fp32 accumulation and output; one GEMM when the build supports out_dtype."""
+    try:
+        torch.addmm(main_grad, dy2.t(), x2, out_dtype=torch.float32, out=main_grad)
+    except (RuntimeError, TypeError):  # builds without the mixed-dtype addmm: GEMM then add
+        main_grad.add_(torch.mm(dy2.t(), x2).float())
+
+
+class LinearWithGradAccumulation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # the Parameter itself, to reach .main_grad in backward
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., in]
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [tokens, out]
+        _accumulate_wgrad(ctx.weight.main_grad, dy2, x.reshape(-1, x.shape[-1]))
+        ctx.weight.grad_added_to_main_grad = True
+        dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, dbias
+
+
+def linear_with_grad_accumulation_fusion(x: torch.Tensor, weight: torch.Tensor,
+                                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) whose weight gradient is added into ``weight.main_grad`` (fp32) by the GEMM."""
+    main_grad = getattr(weight, "main_grad", None)
+    if (main_grad is None or main_grad.dtype != torch.float32 or not x.is_cuda or not weight.requires_grad
+            or torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    return LinearWithGradAccumulation.apply(x, weight, bias)
