@@ -40,7 +40,7 @@ def format_iteration_line(
         parts.append(f" {key}: {value:.6E} |")
     parts.append(f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
-        parts.append(f" grad norm: {grad_norm:.3f} |")
+        parts.append(f" grad norm: {grad_norm:.6f} |")  # Megatron prints 3 decimals; parity checks need more
     parts.append(f" number of skipped iterations: {skipped:3d} |")
     parts.append(f" number of nan iterations: {nan:3d} |")
     return "".join(parts)

@@ -259,7 +259,8 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
                                  args.virtual_pipeline_model_parallel_size)
     print_rank_0(f"> {pstate.describe()}, {args.num_microbatches} microbatches of {args.micro_batch_size} "
                  f"per step, global batch {args.global_batch_size}")
-    tensor_parallel.model_parallel_seed(args.seed, pstate)
+    # Megatron offsets the seed per pipeline stage so different stages draw independent dropout masks.
+    tensor_parallel.model_parallel_seed(args.seed + 100 * pstate.pp_rank, pstate)
 
     raw_chunks = model_provider(args, pstate)
     ddp_cfg = DDPConfig(overlap_grad_reduce=args.overlap_grad_reduce,

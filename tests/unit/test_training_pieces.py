@@ -108,7 +108,7 @@ def test_iteration_line_has_megatron_fields():
     pattern = (r" iteration\s+100/\s+1000 \| consumed samples:\s+12800 \| elapsed time per iteration \(ms\): 123\.5 \|"
                r" throughput per GPU \(TFLOP/s/GPU\): 45\.6 \| tokens per second per GPU: 1000\.0 \|"
                r" learning rate: 1\.500000E-04 \| global batch size:\s+128 \| lm loss: 5\.123456E\+00 \|"
-               r" loss scale: 1\.0 \| grad norm: 1\.234 \| number of skipped iterations:\s+0 \|"
+               r" loss scale: 1\.0 \| grad norm: 1\.234500 \| number of skipped iterations:\s+0 \|"
                r" number of nan iterations:\s+0 \|$")
     assert re.search(pattern, line), line
     ev = format_eval_line("validation loss at iteration 100", {"lm loss": 2.0})
