@@ -446,8 +446,8 @@ def main() -> None:
     # "--ours-args --flag" would make argparse read --flag as an option: glue the value to its option.
     argv = sys.argv[1:]
     for i in range(len(argv) - 1):
-        if argv[i] == "--ours-args":
-            argv[i:i + 2] = [f"--ours-args={argv[i + 1]}", ""]
+        if argv[i] in ("--ours-args", "--ours-shape-args"):
+            argv[i:i + 2] = [f"{argv[i]}={argv[i + 1]}", ""]
     sys.argv[1:] = [x for x in argv if x != ""]
     ap = argparse.ArgumentParser(description="Throughput/MFU of our trainer and its peers on one GPU.")
     ap.add_argument("--trainers", default=",".join(TRAINERS))
@@ -455,6 +455,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15, help="timed iterations")
     ap.add_argument("--warmup", type=int, default=5, help="untimed warm-up iterations (compilation included)")
     ap.add_argument("--ours-args", default="", help="extra flags for pretrain_gpt.py")
+    ap.add_argument("--ours-shape-args", action="append", default=[], metavar="SHAPE:FLAGS",
+                    help="extra flags for pretrain_gpt.py at one shape only, e.g. '124m:--use-torch-compile'")
     ap.add_argument("--data-prefix", default=None, help=".bin/.idx prefix (default: preprocess data/ corpus)")
     ap.add_argument("--tag", default="", help="write gpu_throughput_TAG.{json,md} instead of the main table")
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
@@ -498,7 +500,14 @@ def main() -> None:
             try:
                 if trainer == "ours":
                     data_prefix = data_prefix or prepare_dataset(workdir)
-                    res = run_ours(shape_name, a.iters, a.warmup, data_prefix, a.ours_args, a.log_dir)
+                    extra = a.ours_args
+                    for spec in a.ours_shape_args:
+                        name, _, flags = spec.partition(":")
+                        if name not in SHAPES:
+                            raise ValueError(f"--ours-shape-args: unknown shape {name!r} in {spec!r}")
+                        if name == shape_name:
+                            extra = f"{extra} {flags}"
+                    res = run_ours(shape_name, a.iters, a.warmup, data_prefix, extra, a.log_dir)
                     cmd = res["command"]
                     extras["log_tflops"][key] = res["log_tflops"]
                     extras["losses"][key] = res["losses"]
