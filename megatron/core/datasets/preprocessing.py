@@ -420,7 +420,7 @@ def _progress(cfg: PreprocessConfig, stats: Stats, reader: _Reader, t0: float) -
 def _summary(stats: Stats, names: Dict[str, str]) -> str:
     el = max(stats.seconds, 1e-9)
     lines = [f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.json_bytes / 1e6:.1f} MB of JSON "
-             f"in {el:.1f} s ({stats.json_bytes / el / 1e6:.2f} MB/s)"]
+             f"in {el:.1f} s ({stats.documents / el:.0f} docs/s, {stats.json_bytes / el / 1e6:.2f} MB/s)"]
     if stats.bad_count:
         lines.append(f"skipped {stats.bad_count} bad line(s)")
     if stats.blank_lines:
