@@ -13,6 +13,7 @@ Import this module only when ``triton`` is importable; ``ops.py`` decides when t
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -53,7 +54,7 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.c
     cmask = cols < N
     if HAS_BIAS:
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # reduced over rows once, at the end
     for t in range(0, ROW_TILES):
         rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
@@ -67,9 +68,14 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.c
         dx = tl.where(mask, dy * (cdf + z * pdf), 0.0)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
-            acc += tl.sum(dx, axis=0)
+            acc += dx
     if HAS_BIAS:
-        tl.store(DB_PART + tl.program_id(1) * N + cols, acc, mask=cmask)
+        tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _launch_shape(m: int, n: int, device: torch.device):
@@ -78,7 +84,8 @@ def _launch_shape(m: int, n: int, device: torch.device):
     block x a short run of row tiles whose bias-gradient partial sums it writes once."""
     col_blocks = triton.cdiv(n, _BLOCK_N)
     row_tiles_total = triton.cdiv(m, _BLOCK_M)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     row_groups = max(1, min(row_tiles_total, triton.cdiv(64 * sms, col_blocks)))
     per_program = triton.cdiv(row_tiles_total, row_groups)
     row_groups = triton.cdiv(row_tiles_total, per_program)
@@ -165,7 +172,7 @@ def _dropout_bwd_kernel(DY, DX, DB_PART, SEED, M, N, ROW_TILES, p, scale, DROPOU
     cmask = cols < N
     if DROPOUT:
         seed = tl.load(SEED)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # reduced over rows once, at the end
     for t in range(0, ROW_TILES):
         rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
@@ -177,9 +184,9 @@ def _dropout_bwd_kernel(DY, DX, DB_PART, SEED, M, N, ROW_TILES, p, scale, DROPOU
         if WRITE_DX:
             tl.store(DX + offs, dz.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
-            acc += tl.sum(dz, axis=0)
+            acc += tl.where(mask, dz, 0.0)
     if HAS_BIAS:
-        tl.store(DB_PART + tl.program_id(1) * N + cols, acc, mask=cmask)
+        tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):

@@ -11,6 +11,7 @@ with respect to the stored weight equals the gradient with respect to gamma).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,6 +19,11 @@ import triton
 import triton.language as tl
 
 _MAX_FUSED_BYTES = 65536
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit
@@ -113,7 +119,8 @@ class LayerNormFunction(torch.autograd.Function):
         m, n = x2.shape
         dy2 = dy.reshape(m, n).contiguous()
         dx = torch.empty_like(x2)
-        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count if x2.is_cuda else 4
+        sms = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
+            if x2.is_cuda else 4
         programs = max(1, min(m, 16 * sms))  # 16 per multiprocessor keeps enough rows in flight
         rows_per_program = triton.cdiv(m, programs)
         programs = triton.cdiv(m, rows_per_program)
