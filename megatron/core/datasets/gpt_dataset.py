@@ -112,7 +112,7 @@ def build_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: Optiona
     """(document index, sample index, shuffle index) of one split, as Megatron-Core builds them."""
     tokens_per_epoch = int(np.asarray(sizes, dtype=np.int64)[documents].sum())
     if tokens_per_epoch <= 1:
-        raise ValueError(f"the split has {tokens_per_epoch} tokens; at least 2 are needed to make a sample")
+        raise ValueError(f"it has {tokens_per_epoch} tokens; at least 2 are needed to make a sample")
     num_epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length)
     separate = num_samples is not None and separate_last_epoch(num_epochs, tokens_per_epoch, num_samples,
                                                                  seq_length)
@@ -173,8 +173,12 @@ class GPTDataset:
                 return tuple(np.load(paths[k], mmap_mode="r") for k in
                              ("document_index", "sample_index", "shuffle_index"))
         t0 = time.time()
-        indices = build_indices(self.indexed.sequence_lengths, self.documents, self.num_samples,
-                                self.seq_length, self.seed)
+        try:
+            indices = build_indices(self.indexed.sequence_lengths, self.documents, self.num_samples,
+                                    self.seq_length, self.seed)
+        except ValueError as err:
+            raise ValueError(f"the {self.split} split of {self.indexed.path_prefix} (documents "
+                             f"{self.description['documents']}): {err}; adjust --split") from None
         logger.info("built GPTDataset %s indices (%d samples) in %.2f s", self.split, len(indices[2]),
                     time.time() - t0)
         if cache_dir is not None and build:
