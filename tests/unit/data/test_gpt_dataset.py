@@ -180,3 +180,26 @@ def test_data_loader_batches(tmp_path):
     batch = next(iter(loader))
     assert batch["text"].dtype == torch.int64 and batch["text"].shape == (4, 9)
     assert torch.equal(batch["text"][0], torch.from_numpy(train[12]["text"]))
+
+
+def test_inspect_tool_json(tmp_path, capsys):
+    import importlib.util
+    import json
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("inspect_dataset", os.path.join(ROOT, "tools", "inspect_dataset.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    prefix = _write(str(tmp_path / "d"), _docs(5, 60))
+    rc = tool.main(["--data-path", prefix, "--split", "90,10,0", "--seq-length", "8", "--seed", "3",
+                    "--num-samples", "50", "5", "0", "--show", "2", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    train, valid, _ = build_gpt_datasets([prefix], "90,10,0", 8, 3, (50, 5, 0))
+    assert report["train"]["len"] == len(train) and report["valid"]["len"] == len(valid)
+    assert report["train"]["samples"] == [train[i]["text"].tolist() for i in range(2)]
+    assert report["test"] == {"len": 0, "samples": []}
+    assert all(len(s) == 9 for s in report["valid"]["samples"])
+    rc = tool.main(["--data-path", prefix, "--seq-length", "8", "--num-samples", "5", "1", "1", "--show", "1"])
+    assert rc == 0 and "=== train:" in capsys.readouterr().out
