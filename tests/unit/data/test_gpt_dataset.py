@@ -201,5 +201,6 @@ def test_inspect_tool_json(tmp_path, capsys):
     assert report["train"]["samples"] == [train[i]["text"].tolist() for i in range(2)]
     assert report["test"] == {"len": 0, "samples": []}
     assert all(len(s) == 9 for s in report["valid"]["samples"])
-    rc = tool.main(["--data-path", prefix, "--seq-length", "8", "--num-samples", "5", "1", "1", "--show", "1"])
+    rc = tool.main(["--data-path", prefix, "--split", "8,1,1", "--seq-length", "8", "--num-samples", "5", "1", "1",
+                    "--show", "1"])
     assert rc == 0 and "=== train:" in capsys.readouterr().out
