@@ -1,20 +1,31 @@
-"""Token datasets: the mmapped .bin/.idx format, GPT samples, blending and the pretraining sampler."""
+"""Token datasets: the mmapped .bin/.idx format, GPT samples, blending and the pretraining sampler.
 
-from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.builder import build_gpt_datasets, parse_data_path, parse_split
-from megatron.core.datasets.gpt_dataset import GPTDataset
-from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
-from megatron.core.datasets.samplers import MegatronPretrainingSampler, build_pretraining_data_loader
+Names are imported lazily so that preprocessing (which needs no torch) starts quickly.
+"""
 
-__all__ = [
-    "BlendedDataset",
-    "GPTDataset",
-    "IndexedDataset",
-    "IndexedDatasetBuilder",
-    "MegatronPretrainingSampler",
-    "build_gpt_datasets",
-    "build_pretraining_data_loader",
-    "optimal_dtype",
-    "parse_data_path",
-    "parse_split",
-]
+import importlib
+
+_EXPORTS = {
+    "BlendedDataset": "megatron.core.datasets.blended_dataset",
+    "GPTDataset": "megatron.core.datasets.gpt_dataset",
+    "IndexedDataset": "megatron.core.datasets.indexed_dataset",
+    "IndexedDatasetBuilder": "megatron.core.datasets.indexed_dataset",
+    "optimal_dtype": "megatron.core.datasets.indexed_dataset",
+    "MegatronPretrainingSampler": "megatron.core.datasets.samplers",
+    "build_pretraining_data_loader": "megatron.core.datasets.samplers",
+    "build_gpt_datasets": "megatron.core.datasets.builder",
+    "parse_data_path": "megatron.core.datasets.builder",
+    "parse_split": "megatron.core.datasets.builder",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megatron.core.datasets' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -92,15 +92,22 @@ class BadInputError(ValueError):
 _WORKER: Dict[str, object] = {}
 
 
-def _init_worker(cfg: PreprocessConfig) -> None:
+def _init_worker(cfg: PreprocessConfig, tok=None) -> None:
     from megatron.core.tokenizer import build_tokenizer
 
     _WORKER["cfg"] = cfg
-    _WORKER["tok"] = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model)
+    _WORKER["tok"] = tok if tok is not None else \
+        build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model)
     if cfg.split_sentences:
         from megatron.core.datasets.sentence_splitter import SentenceSplitter
 
         _WORKER["splitter"] = SentenceSplitter(cfg.lang, keep_newlines=cfg.keep_newlines)
+
+
+def _warm_up(tok) -> None:
+    """Build lazily created tokenizer state (GPT-2's character-class table and piece cache) before forking."""
+    if hasattr(tok, "tokenize_batch_flat"):
+        tok.tokenize_batch_flat(["Warm up the tokenizer's tables, then fork: the workers share them."])
 
 
 def _describe(value) -> str:
@@ -316,12 +323,19 @@ def preprocess(cfg: PreprocessConfig) -> Stats:
     pool = None
     t0 = time.time()
     try:
-        if cfg.workers > 1:
-            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            pool = ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(cfg,))
+        if cfg.workers > 1 and sys.platform.startswith("linux"):
+            # Build the tokenizer (and its caches) once here; forked workers inherit it. Each worker is
+            # one process on one core: the tokenizer library's own thread pool would only oversubscribe.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            _init_worker(cfg, tok)
+            _warm_up(tok)
+            pool = multiprocessing.get_context("fork").Pool(cfg.workers)
+            results = _bounded_imap(pool, encode_batch, reader.batches(), 2 * cfg.workers)
+        elif cfg.workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(cfg.workers, initializer=_init_worker, initargs=(cfg,))
             results = _bounded_imap(pool, encode_batch, reader.batches(), 2 * cfg.workers)
         else:
-            _init_worker(cfg)
+            _init_worker(cfg, tok)
             results = map(encode_batch, reader.batches())
         next_log = cfg.log_interval
         for out, doc_lines, bad, blank, ntokens, nbytes in results:

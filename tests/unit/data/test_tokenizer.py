@@ -78,3 +78,37 @@ def test_bad_tokenizer_arguments(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB)
     with pytest.raises(ValueError, match="--vocab-file"):
         build_tokenizer("BertWordPieceCase", vocab_file=str(tmp_path / "missing.txt"))
+
+
+def test_fast_gpt2_pieces_equal_the_regex():
+    """The vectorised pre-tokenisation equals GPT-2's regular expression (real text and random strings)."""
+    import random
+
+    from megatron.core.tokenizer.gpt2_fast import split_pieces
+
+    pattern = ReferenceGPT2BPE.PATTERN
+    for text in _real_texts(30):
+        assert split_pieces(text) == pattern.findall(text)
+    alphabet = ["a", "b", "s", "t", "r", "e", "l", "v", "d", "m", "'", " ", "  ", "\n", "\t", "\r\n", "1", "²", ".",
+                "!", "é", "日", "\u00a0", "\u2003", "ll", "re", "ve", " '", "'s", "🙂"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        assert split_pieces(s) == pattern.findall(s), repr(s)
+
+
+def test_fast_gpt2_batch_equals_reference_across_text_boundaries():
+    """Batched ids (texts back to back) never let a piece or a rule cross from one text to the next."""
+    import random
+
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+    ref = ReferenceGPT2BPE(GPT2_VOCAB, GPT2_MERGES)
+    rng = random.Random(1)
+    pieces = ["'", "s", "re", " ", "  ", "\n", "word", "ll", "7", ".", "ve", "é"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 6))) for _ in range(400)]
+    texts += _real_texts(10)
+    for _ in range(2):  # the second pass is served from the piece cache
+        flat, lens = tok.tokenize_batch_flat(texts)
+        want = [ref.encode(t) for t in texts]
+        assert lens.tolist() == [len(w) for w in want]
+        assert flat.tolist() == [i for w in want for i in w]
