@@ -208,16 +208,18 @@ class BiasDropoutAddFunction(torch.autograd.Function):
             raise ValueError(f"dropout probability must be < 1, got {prob}")
         scale = 1.0 / (1.0 - prob) if dropout else 1.0
         # A fresh Philox seed per call from the current CUDA generator, kept on the device (no host sync).
-        seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int32) if dropout
-                else torch.zeros(1, device=x.device, dtype=torch.int32))
+        # Without dropout the kernel never reads the seed: pass x as a placeholder (no allocation, no launch).
+        seed = torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int32) if dropout else None
         n = x.shape[-1]
         m = x.numel() // n if n else 0
         if m and n:
             grid, tiles = _launch_shape(m, n, x.device)
             _bias_dropout_add_fwd_kernel[grid](
-                x, bias if bias is not None else x, residual, out, seed, m, n, tiles, float(prob), scale,
+                x, bias if bias is not None else x, residual, out, seed if dropout else x, m, n, tiles, float(prob),
+                scale,
                 HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
-        ctx.save_for_backward(seed)
+        if dropout:
+            ctx.save_for_backward(seed)
         ctx.dropout, ctx.prob, ctx.scale = dropout, float(prob), scale
         ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -225,7 +227,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        (seed,) = ctx.saved_tensors
+        seed = ctx.saved_tensors[0] if ctx.dropout else None
         dout = dout.contiguous()
         has_bias = ctx.bias_dtype is not None
         n = dout.shape[-1]
@@ -242,7 +244,8 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         elif m and n:
             grid, tiles = _launch_shape(m, n, dout.device)
             part = torch.empty((grid[1], n), dtype=torch.float32, device=dout.device) if has_bias else dout
-            _dropout_bwd_kernel[grid](dout, dz, part, seed, m, n, tiles, ctx.prob, ctx.scale, DROPOUT=ctx.dropout,
+            _dropout_bwd_kernel[grid](dout, dz, part, seed if seed is not None else dout, m, n, tiles, ctx.prob,
+                                      ctx.scale, DROPOUT=ctx.dropout,
                                       WRITE_DX=write_dx, HAS_BIAS=has_bias, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
                                       num_warps=4)
             if has_bias:
