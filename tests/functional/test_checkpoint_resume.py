@@ -61,7 +61,7 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(data_prefix, tmp_path):
     proc = run_pretrain(gpt_args(data_prefix, train_iters=4, load=str(ckpt)), expect_ok=False)
     assert proc.returncode == 2 and "cannot read checkpoint" in proc.stderr
     # --load of a directory with no checkpoint yet (first launch of an auto-resuming script) starts fresh
-    proc = run_pretrain(gpt_args(data_prefix, train_iters=1, load=str(tmp_path / "nope")))
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "nope")))
     assert "no checkpoint found" in proc.stdout
 
 
