@@ -100,11 +100,13 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--baseline", action="store_true", help="also time Megatron-LM's procedure (slow)")
     ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results", "preprocess"))
+    ap.add_argument("--input-gz", default=os.path.join(SHARED, "corpus", "prose.jsonl.gz"))
+    ap.add_argument("--cpus", default=None, help="pin every process to these CPUs (taskset list, e.g. 0,1)")
     a = ap.parse_args()
 
     src = "/tmp/prose.jsonl"
     if not os.path.exists(src):
-        with gzip.open(os.path.join(SHARED, "corpus", "prose.jsonl.gz"), "rb") as f, open(src + ".part", "wb") as g:
+        with gzip.open(a.input_gz, "rb") as f, open(src + ".part", "wb") as g:
             shutil.copyfileobj(f, g)
         os.replace(src + ".part", src)
     mb = os.path.getsize(src) / 1e6
@@ -114,6 +116,8 @@ def main() -> int:
            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "data/gpt2-vocab.json",
            "--merge-file", "data/gpt2-merges.txt", "--append-eod", "--workers", str(a.workers),
            "--log-interval", "100000"]
+    if a.cpus:
+        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})  # inherited by every child process
     load_before = _load()
     walls = []
     for _ in range(a.repeats):
@@ -131,7 +135,8 @@ def main() -> int:
     best, median = min(walls), sorted(walls)[len(walls) // 2]
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}",
+        "machine": f"{_cpu_model()}, {len(os.sched_getaffinity(0))} of {os.cpu_count()} logical CPUs used, "
+                   f"Python {platform.python_version()}",
         "load_average_before": load_before, "load_average_after": _load(),
         "command": " ".join(["python"] + cmd[1:]), "input_mb": round(mb, 2), "workers": a.workers,
         "wall_seconds": [round(w, 2) for w in walls],

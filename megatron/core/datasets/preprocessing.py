@@ -106,8 +106,8 @@ def _init_worker(cfg: PreprocessConfig, tok=None) -> None:
 
 def _warm_up(tok) -> None:
     """Build lazily created tokenizer state (GPT-2's character-class table and piece cache) before forking."""
-    if hasattr(tok, "tokenize_batch_flat"):
-        tok.tokenize_batch_flat(["Warm up the tokenizer's tables, then fork: the workers share them."])
+    if hasattr(tok, "warm_up"):
+        tok.warm_up()
 
 
 def _describe(value) -> str:
