@@ -90,7 +90,6 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file} has no '<|endoftext|>' token (not a GPT-2 vocabulary?)")
         self._eod = eod
-        self._vocab_file, self._merge_file = vocab_file, merge_file
         self._fast = None
 
     @property
@@ -105,7 +104,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         if self._fast is None:
             from megatron.core.tokenizer.gpt2_fast import FastGPT2Encoder
 
-            bpe = Tokenizer(models.BPE.from_file(self._vocab_file, self._merge_file))
+            bpe = Tokenizer(self._tok.model)  # the same BPE model, without GPT-2's regex pre-split
             bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
             self._fast = FastGPT2Encoder(bpe, fallback=self)
         return self._fast.encode_batch_flat(texts)
