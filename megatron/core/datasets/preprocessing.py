@@ -105,9 +105,9 @@ def _init_worker(cfg: PreprocessConfig, tok=None) -> None:
 
 
 def _warm_up(tok) -> None:
-    """Build lazily created tokenizer state (GPT-2's character-class table and piece cache) before forking."""
-    if hasattr(tok, "warm_up"):
-        tok.warm_up()
+    """Build lazily created tokenizer state (GPT-2's encoder and character classes) before forking."""
+    if hasattr(tok, "tokenize_batch_flat"):
+        tok.tokenize_batch_flat(["Build the tables once; the forked workers share them."])
 
 
 def _describe(value) -> str:

@@ -39,7 +39,35 @@ _ONE_LETTER = np.array([ord(c) for c in "stmd"], dtype=np.uint32)
 
 @functools.lru_cache(maxsize=1)
 def class_table() -> np.ndarray:
-    """uint8[0x110000]: the class (S, L, N or O) of every code point, as the ``regex`` module sees them."""
+    """uint8[0x110000]: the class (S, L, N or O) of every code point, as the ``regex`` module sees them.
+
+    Computing it takes a few tenths of a second, so it is cached on disk per ``regex``/Unicode version.
+    """
+    import os
+    import unicodedata
+
+    tag = f"{getattr(regex, '__version__', 'unknown')}-{unicodedata.unidata_version}".replace(os.sep, "_")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "megatron-lite", f"gpt2_char_classes_{tag}.npy")
+    try:
+        table = np.load(path)
+        if table.shape == (0x110000,) and table.dtype == np.uint8:
+            return table
+    except (OSError, ValueError):
+        pass
+    table = _compute_class_table()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, table)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # read-only home: recompute next time
+    return table
+
+
+def _compute_class_table() -> np.ndarray:
     cps = np.arange(0x110000, dtype=np.int64)
     valid = cps[(cps < 0xD800) | (cps > 0xDFFF)]
     everything = "".join(map(chr, valid.tolist()))

@@ -109,13 +109,6 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
             self._fast = FastGPT2Encoder(bpe, fallback=self)
         return self._fast.encode_batch_flat(texts)
 
-    def warm_up(self) -> None:
-        """Seed the bulk encoder's piece cache with every vocabulary entry (as text), so the common pieces
-        are known before worker processes fork (they share the cache instead of each rebuilding it)."""
-        strings = self._tok.decode_batch([[i] for i in range(self.vocab_size) if i != self._eod])
-        for start in range(0, len(strings), 8192):
-            self.tokenize_batch_flat(strings[start: start + 8192])
-
 
 class BertWordPieceTokenizer(_HFBackedTokenizer):
     """BERT WordPiece from ``vocab.txt`` (lower-cased and accent-stripped, or cased).
