@@ -300,9 +300,10 @@ class FastGPT2Encoder:
             self._reset()
             return self._lookup(big, starts, ends, k1, k2)
         s, e = starts[first].tolist(), ends[first].tolist()
-        encs = self._bpe.encode_batch_fast([big[a:b] for a, b in zip(s, e)], add_special_tokens=False)
-        new_len = np.array([len(x.ids) for x in encs], dtype=np.int64)
-        new_ids = np.fromiter((i for x in encs for i in x.ids), dtype=np.int64, count=int(new_len.sum()))
+        # One pre-tokenised "sentence" whose words are the new pieces: BPE runs on each word separately.
+        enc = self._bpe.encode([big[a:b] for a, b in zip(s, e)], is_pretokenized=True, add_special_tokens=False)
+        new_ids = np.array(enc.ids, dtype=np.int64)
+        new_len = np.bincount(np.array(enc.word_ids, dtype=np.int64), minlength=len(s)).astype(np.int64)
         new_off = self._ids.size + np.concatenate([[0], np.cumsum(new_len)[:-1]]).astype(np.int64)
         new_rows = self._len.size + np.arange(uk.size, dtype=np.int64)
         self._table.insert(uk, new_rows)
