@@ -57,7 +57,8 @@ def global_grad_norm(grads_for_norm: List[torch.Tensor], groups: Iterable, devic
     for group in groups:
         if group is not None and group_size(group) > 1:
             all_reduce(total, group).wait()
-    return math.sqrt(total.item()) if math.isfinite(total.item()) else float(total.item())
+    value = float(total.item())
+    return math.sqrt(value) if math.isfinite(value) else value
 
 
 def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> None:
