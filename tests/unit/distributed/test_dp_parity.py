@@ -106,3 +106,35 @@ def test_bucket_layout_single_process():
     assert all(b.numel % 128 == 0 for b in sharded.buffers[0].buckets)
     with pytest.raises(ValueError, match="--ddp-bucket-size"):
         DDPConfig(bucket_size=0)
+
+
+class _FusedWgradLinear(torch.autograd.Function):
+    """y = x W^T whose weight grad is added straight into ``W.main_grad`` (no ``W.grad``), like
+    gradient-accumulation fusion."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_(dy.t() @ x)
+        return dy @ weight, None
+
+
+def test_overlap_with_grads_written_into_main_grad():
+    """The post-accumulate hook still fires for a weight whose grad went straight into main_grad, so its
+    bucket launches during backward and the value is not added twice."""
+    lin = torch.nn.Linear(4, 3, bias=False)
+    ref = lin.weight.detach().clone().requires_grad_()
+    ddp = DistributedDataParallel(torch.nn.ModuleList([lin]), pstate=ParallelState.single(),
+                                  config=DDPConfig(overlap_grad_reduce=True))
+    x = torch.randn(5, 4)
+    _FusedWgradLinear.apply(x, lin.weight).pow(2).sum().backward()
+    assert all(b.grad_handle is not None for b in ddp.buckets())  # launched inside backward
+    ddp.finish_grad_sync()
+    (x @ ref.t()).pow(2).sum().backward()
+    torch.testing.assert_close(lin.weight.main_grad, ref.grad)
+    assert lin.weight.grad is None
