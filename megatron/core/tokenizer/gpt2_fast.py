@@ -129,6 +129,19 @@ def split_pieces(text: str) -> List[str]:
     return [text[i:j] for i, j in zip(b[:-1], b[1:])]
 
 
+def byte_to_char_table() -> dict:
+    """``str.translate`` table from each byte (as a Latin-1 character) to GPT-2's printable stand-in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
 _P1 = np.uint64(0x9E3779B97F4A7C15)
 _P2 = np.uint64(0xC2B2AE3D27D4EB4F)
 
@@ -228,13 +241,14 @@ class FastGPT2Encoder:
 
     Pieces are found with ``piece_starts``; each piece is identified by two 64-bit polynomial hashes of
     its code points; a hash table maps known pieces to their ids, and unseen pieces (the only ones ever
-    turned into Python strings) are encoded by ``bpe``: a ``tokenizers.Tokenizer`` with the GPT-2 BPE
-    model and a ``ByteLevel(use_regex=False)`` pre-tokenizer. A batch whose hashes collide (never seen in
+    turned into Python strings) are encoded by the BPE model of ``bpe`` (a ``tokenizers.Tokenizer`` with
+    the GPT-2 BPE model) after mapping their bytes to GPT-2's byte alphabet. A batch whose hashes collide (never seen in
     practice) is encoded by the ``fallback`` tokenizer instead, so results are always exact.
     """
 
     def __init__(self, bpe, fallback, max_cache_tokens: int = 8_000_000):
-        self._bpe = bpe
+        self._model = bpe.model  # the BPE model alone: no pre-tokenizer, no offsets bookkeeping
+        self._byte_chars = byte_to_char_table()
         self._fallback = fallback
         self._max_cache_tokens = max_cache_tokens
         self._pw1, self._pw2 = _Powers(_P1), _Powers(_P2)
@@ -300,10 +314,11 @@ class FastGPT2Encoder:
             self._reset()
             return self._lookup(big, starts, ends, k1, k2)
         s, e = starts[first].tolist(), ends[first].tolist()
-        # One pre-tokenised "sentence" whose words are the new pieces: BPE runs on each word separately.
-        enc = self._bpe.encode([big[a:b] for a, b in zip(s, e)], is_pretokenized=True, add_special_tokens=False)
-        new_ids = np.array(enc.ids, dtype=np.int64)
-        new_len = np.bincount(np.array(enc.word_ids, dtype=np.int64), minlength=len(s)).astype(np.int64)
+        # BPE model on each new piece, written in GPT-2's byte-to-character alphabet.
+        table, model = self._byte_chars, self._model
+        per_piece = [model.tokenize(big[a:b].encode("utf-8").decode("latin-1").translate(table)) for a, b in zip(s, e)]
+        new_len = np.fromiter(map(len, per_piece), dtype=np.int64, count=len(per_piece))
+        new_ids = np.fromiter((t.id for toks in per_piece for t in toks), dtype=np.int64, count=int(new_len.sum()))
         new_off = self._ids.size + np.concatenate([[0], np.cumsum(new_len)[:-1]]).astype(np.int64)
         new_rows = self._len.size + np.arange(uk.size, dtype=np.int64)
         self._table.insert(uk, new_rows)

@@ -104,9 +104,7 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         if self._fast is None:
             from megatron.core.tokenizer.gpt2_fast import FastGPT2Encoder
 
-            bpe = Tokenizer(self._tok.model)  # the same BPE model, without GPT-2's regex pre-split
-            bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-            self._fast = FastGPT2Encoder(bpe, fallback=self)
+            self._fast = FastGPT2Encoder(self._tok, fallback=self)
         return self._fast.encode_batch_flat(texts)
 
 
