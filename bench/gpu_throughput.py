@@ -51,7 +51,7 @@ OURS_BASE_ARGS = (
     "--bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 "
     "--adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 "
     "--tokenizer-type GPT2BPETokenizer --make-vocab-size-divisible-by 128 --split 100,0,0 --eval-iters 0 "
-    "--log-interval 1 --log-throughput --seed 1234 --num-workers 2"
+    "--log-interval 1 --log-throughput --seed 1234 --num-workers 2 --cross-entropy-loss-fusion"
 )
 
 

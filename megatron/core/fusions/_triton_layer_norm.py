@@ -109,7 +109,8 @@ class LayerNormFunction(torch.autograd.Function):
                              HAS_BIAS=bias is not None, ZERO_CENTERED=bool(zero_centered_gamma),
                              BLOCK_N=block_n, num_warps=_num_warps(block_n))
         ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.has_bias, ctx.zero_centered, ctx.block_n, ctx.shape = bias is not None, bool(zero_centered_gamma), block_n, x.shape
+        ctx.has_bias, ctx.zero_centered = bias is not None, bool(zero_centered_gamma)
+        ctx.block_n, ctx.shape = block_n, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.view(x.shape)
 
