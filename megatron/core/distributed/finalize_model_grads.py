@@ -10,6 +10,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core.distributed.comm import all_reduce, group_size
 
 
+def _grad(p: torch.nn.Parameter):
+    """The grad to reduce: ``main_grad`` under DDP, else ``.grad`` (an unwrapped module)."""
+    g = getattr(p, "main_grad", None)
+    return g if g is not None else p.grad
+
+
 def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
     """Sum ``grads`` over ``group`` with one collective (flatten, all-reduce, copy back)."""
     if not grads or group_size(group) == 1:
@@ -23,6 +29,9 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
 def finalize_model_grads(model_chunks, pstate) -> None:
     """Finish the DP reduction, then the TP and embedding-group sums of the grads that need them.
 
+    Chunks are normally :class:`DistributedDataParallel`; an unwrapped module skips step 1 and has its
+    ``.grad`` reduced in steps 2 and 3.
+
     1. ``finish_grad_sync()`` on every chunk: mean over DP (all-reduce, or reduce-scatter under the
        distributed optimizer).
     2. Params with ``sequence_parallel=True`` (LayerNorm weights/biases, row-parallel bias under SP) saw only
@@ -33,11 +42,12 @@ def finalize_model_grads(model_chunks, pstate) -> None:
        layouts, so under the distributed optimizer the whole grad is made valid (all-gathered over DP) first.
     """
     for chunk in model_chunks:
-        chunk.finish_grad_sync()
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
 
     if pstate.tp_size > 1:
-        sp_grads = [p.main_grad for chunk in model_chunks for p in chunk.parameters()
-                    if p.requires_grad and getattr(p, "sequence_parallel", False)]
+        sp_grads = [_grad(p) for chunk in model_chunks for p in chunk.parameters()
+                    if p.requires_grad and getattr(p, "sequence_parallel", False) and _grad(p) is not None]
         _all_reduce_coalesced(sp_grads, pstate.tp_group)
 
     if pstate.pp_size > 1 and pstate.embedding_group is not None and len(pstate.embedding_ranks) > 1:
@@ -45,6 +55,6 @@ def finalize_model_grads(model_chunks, pstate) -> None:
             shared = [p for p in chunk.parameters() if p.requires_grad and getattr(p, "shared_embedding", False)]
             if shared and hasattr(chunk, "make_full_grads"):
                 chunk.make_full_grads(shared)
-        emb_grads = [p.main_grad for chunk in model_chunks for p in chunk.parameters()
-                     if p.requires_grad and getattr(p, "shared_embedding", False)]
+        emb_grads = [_grad(p) for chunk in model_chunks for p in chunk.parameters()
+                     if p.requires_grad and getattr(p, "shared_embedding", False) and _grad(p) is not None]
         _all_reduce_coalesced(emb_grads, pstate.embedding_group)
