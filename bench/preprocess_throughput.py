@@ -54,6 +54,27 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _siblings(cpu: int) -> set:
+    """Logical CPUs sharing a physical core with ``cpu`` (hyper-threads), from sysfs."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            out = set()
+            for part in f.read().strip().split(","):
+                lo, _, hi = part.partition("-")
+                out.update(range(int(lo), int(hi or lo) + 1))
+            return out
+    except OSError:
+        return {cpu}
+
+
+def _two_cores() -> set:
+    """Two logical CPUs on two different physical cores (a fair '2-core machine')."""
+    avail = sorted(os.sched_getaffinity(0))
+    first = avail[0]
+    second = next((c for c in avail if c not in _siblings(first)), avail[1])
+    return {first, second}
+
+
 def _load() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -104,7 +125,8 @@ def main() -> int:
     ap.add_argument("--large", type=int, default=0, metavar="K",
                     help="also time one run on the input repeated K times (an upper bound for large corpora: "
                          "after the first copy every piece is in the tokenizer's cache)")
-    ap.add_argument("--cpus", default=None, help="pin every process to these CPUs (taskset list, e.g. 0,1)")
+    ap.add_argument("--cpus", default=None,
+                    help="pin every process to these CPUs (e.g. 0,1), or 'two-cores': two CPUs on distinct cores")
     a = ap.parse_args()
 
     src = "/tmp/prose.jsonl"
@@ -120,7 +142,8 @@ def main() -> int:
            "--merge-file", "data/gpt2-merges.txt", "--append-eod", "--workers", str(a.workers),
            "--log-interval", "100000"]
     if a.cpus:
-        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})  # inherited by every child process
+        cpus = _two_cores() if a.cpus == "two-cores" else {int(c) for c in a.cpus.split(",")}
+        os.sched_setaffinity(0, cpus)  # inherited by every child process
     load_before = _load()
     walls = []
     for _ in range(a.repeats):
@@ -156,7 +179,9 @@ def main() -> int:
     best, median = min(walls), sorted(walls)[len(walls) // 2]
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{_cpu_model()}, {len(os.sched_getaffinity(0))} of {os.cpu_count()} logical CPUs used, "
+        "machine": f"{_cpu_model()}, {len(os.sched_getaffinity(0))} of {os.cpu_count()} logical CPUs used "
+                   f"({sorted(os.sched_getaffinity(0))}; hyper-thread siblings of each: "
+                   f"{[sorted(_siblings(c)) for c in sorted(os.sched_getaffinity(0))]}), "
                    f"Python {platform.python_version()}",
         "load_average_before": load_before, "load_average_after": _load(),
         "command": " ".join(["python"] + cmd[1:]), "input_mb": round(mb, 2), "workers": a.workers,
