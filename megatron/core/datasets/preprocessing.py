@@ -116,7 +116,7 @@ def _describe(value) -> str:
 
 def _parse(lines: List[bytes], first_line: int, keys: Sequence[str]):
     """Parse JSON lines -> (texts per key per document, bad lines, blank count, bytes of good lines)."""
-    docs: List[List[List[str]]] = []  # [doc][key] -> list of strings (one, or pre-split sentences)
+    docs = []  # (line number, [value per key]); a value is a string or a list of strings
     bad: List[BadLine] = []
     blank = 0
     for i, raw in enumerate(lines):
@@ -138,10 +138,8 @@ def _parse(lines: List[bytes], first_line: int, keys: Sequence[str]):
                 per_key = f"missing key {key!r}"
                 break
             v = obj[key]
-            if isinstance(v, str):
-                per_key.append([v])
-            elif isinstance(v, list) and all(isinstance(s, str) for s in v):
-                per_key.append(v)
+            if isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+                per_key.append(v)  # a string, or a list of strings: the document's sentences
             else:
                 per_key = f"key {key!r} is {_describe(v)}, not a string"
                 break
@@ -168,10 +166,13 @@ def encode_batch(job: Tuple[int, List[bytes]]):
     splitter = _WORKER.get("splitter")
     docs, bad, blank = _parse(lines, first_line, cfg.json_keys)
 
-    # Split sentences (Megatron splits a string value; a list value is already split).
-    if splitter is not None:
-        docs = [(ln, [[s for t in texts for s in splitter.split(t)] if len(texts) == 1 else texts
-                      for texts in per_key]) for ln, per_key in docs]
+    # Strings become one sequence, or their sentences with --split-sentences; a list is already split.
+    def sequences(v):
+        if isinstance(v, list):
+            return v
+        return splitter.split(v) if splitter is not None else [v]
+
+    docs = [(ln, [sequences(v) for v in per_key]) for ln, per_key in docs]
     # Lone surrogates (possible through JSON escapes) cannot be tokenized: report the line.
     good = []
     for ln, per_key in docs:

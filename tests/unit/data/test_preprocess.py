@@ -193,7 +193,8 @@ def test_split_sentences_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(nltk, "download", no_network)
     monkeypatch.setattr(nltk.data, "load", no_network)
     text = "Dr. Smith went to Washington. He arrived at 5 p.m. on Monday.\n\nThe meeting was long. It ended."
-    _write_jsonl(tmp_path / "in.jsonl", [{"text": text}, {"text": ["Already split.", "Two sentences."]}])
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": text}, {"text": ["Already split.", "Two sentences."]},
+                                         {"text": ["A list is never re-split. Even of one."]}])
     P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "s", split_sentences=True))
     ds = IndexedDataset(str(tmp_path / "s_text_sentence"))
     tok = build_tokenizer("GPT2BPETokenizer", VOCAB, MERGES)
@@ -202,7 +203,7 @@ def test_split_sentences_offline(tmp_path, monkeypatch):
     want = [tok.tokenize(s) for s in sents]
     want[-1] = want[-1] + [tok.eod]
     assert [ds[i].tolist() for i in range(4)] == want
-    assert ds.document_indices.tolist() == [0, 4, 6]
+    assert ds.document_indices.tolist() == [0, 4, 6, 7]
     P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "k", split_sentences=True, keep_newlines=True,
                       append_eod=False))
     kept = IndexedDataset(str(tmp_path / "k_text_sentence"))
