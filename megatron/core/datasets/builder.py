@@ -28,7 +28,7 @@ import numpy as np
 
 from megatron.core.datasets.blended_dataset import BlendedDataset, normalize
 from megatron.core.datasets.gpt_dataset import SPLIT_NAMES, GPTDataset
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, dataset_exists
 
 MID_LEVEL_SURPLUS = 0.005
 
@@ -96,6 +96,11 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
         raise ValueError(f"sample counts must be >= 0, got {sizes}")
     prefixes, weights = parse_data_path(data_path)
     bounds = split_bounds(parse_split(split))
+    if seq_length < 1:
+        raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+    for p in prefixes:  # checked on every rank before any barrier, so no rank waits for a failed one
+        if not dataset_exists(p):
+            raise ValueError(f"--data-path {p}: expected {p}.bin and {p}.idx")
     wanted = [bounds[i] is not None and sizes[i] > 0 for i in range(3)]
 
     def build_all(build: bool):

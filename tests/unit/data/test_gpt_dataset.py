@@ -204,3 +204,11 @@ def test_inspect_tool_json(tmp_path, capsys):
     rc = tool.main(["--data-path", prefix, "--split", "8,1,1", "--seq-length", "8", "--num-samples", "5", "1", "1",
                     "--show", "1"])
     assert rc == 0 and "=== train:" in capsys.readouterr().out
+
+
+def test_build_errors_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--data-path .*missing"):
+        build_gpt_datasets([str(tmp_path / "missing")], "1", 8, 1, (4, 0, 0))
+    prefix = _write(str(tmp_path / "d"), _docs(6, 10))
+    with pytest.raises(ValueError, match="--seq-length"):
+        build_gpt_datasets([prefix], "1", 0, 1, (4, 0, 0))
