@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash examples/install.sh
 PY=${PYTHON:-python3}
 OUT=${OUT_DIR:-runs/quickstart}
-mkdir -p "$OUT"
+mkdir -p "$OUT/data"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
 echo "== 1/3 preprocess data/tinyshakespeare.jsonl.gz -> $OUT/data/quickstart_text_document.{bin,idx}"
@@ -14,8 +14,8 @@ echo "== 1/3 preprocess data/tinyshakespeare.jsonl.gz -> $OUT/data/quickstart_te
     --append-eod --workers 2
 
 MODEL_ARGS=(
-    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
-    --micro-batch-size 8 --global-batch-size 16
+    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
+    --micro-batch-size 4 --global-batch-size 8
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 --lr-decay-iters 120 --weight-decay 0.1 --clip-grad 1.0
     --data-path "$OUT/data/quickstart_text_document" --split 98,2,0
     --tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-vocab.json --merge-file data/gpt2-merges.txt

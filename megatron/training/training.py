@@ -168,7 +168,7 @@ class Trainer:
         flops_per_iter = num_floating_point_operations(a, a.global_batch_size)
         tokens_per_iter = a.global_batch_size * a.seq_length
         window_time, window_iters, window_losses = 0.0, 0, {}
-        history, total_train_time, exited = [], 0.0, None
+        history, total_train_time, exited, n_run = [], 0.0, None, 0
         while self.iteration < a.train_iters:
             _sync()
             t0 = time.time()
@@ -176,6 +176,7 @@ class Trainer:
             _sync()
             dt = time.time() - t0
             self.iteration += 1
+            n_run += 1
             self.consumed_train_samples += a.global_batch_size
             total_train_time += dt
             window_time, window_iters = window_time + dt, window_iters + 1
@@ -218,7 +219,7 @@ class Trainer:
                     self.save()
                 print_rank_0(f"exiting at iteration {self.iteration} ({exited})")
                 break
-        return {"history": history, "train_time": total_train_time, "exited": exited}
+        return {"history": history, "train_time": total_train_time, "exited": exited, "iterations_run": n_run}
 
 
 def _build_iterators(args, pstate, datasets_provider, consumed_train: int, consumed_valid: int, chunks: int):
@@ -294,9 +295,10 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
             return summary
         if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
             trainer.save()
-        per_iter = result["train_time"] / max(1, trainer.iteration)
+        per_iter = result["train_time"] / max(1, result["iterations_run"])
         tflops = num_floating_point_operations(args, args.global_batch_size) / (per_iter * pstate.world_size * 1e12)
-        print_rank_last(f"training finished: {trainer.iteration} iterations, {result['train_time']:.1f} s, "
+        print_rank_last(f"training finished at iteration {trainer.iteration}: {result['iterations_run']} iterations "
+                        f"in {result['train_time']:.1f} s, "
                         f"{per_iter * 1000:.1f} ms/iteration, {tflops:.3f} TFLOP/s/GPU")
     summary["valid"] = trainer.evaluate("valid", "validation")
     summary["test"] = trainer.evaluate("test", "test")
