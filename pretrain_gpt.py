@@ -41,6 +41,7 @@ def model_provider(args, pstate):
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         attention_backend=args.attention_backend,
         use_fused_kernels=not (args.no_bias_gelu_fusion or args.no_bias_dropout_fusion or args.no_persist_layer_norm),
+        gradient_accumulation_fusion=not args.no_gradient_accumulation_fusion,
     )
     vpp = pstate.vpp_size or 1
     chunks = []

@@ -157,6 +157,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-persist-layer-norm", action="store_true")
     g.add_argument("--no-masked-softmax-fusion", action="store_true", help="use the unfused attention path")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
+                   help="write weight gradients to .grad and add them to the fp32 buffer afterwards")
 
 
 def _reject_unsupported(argv: List[str]) -> None:

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
@@ -123,7 +124,10 @@ class GPTModel(nn.Module):
             logits = F.linear(hidden, weight)  # [s, b, V/tp]
             return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
         target = labels.transpose(0, 1)  # [s, b]
-        logits = F.linear(hidden, weight)  # [s, b, V/tp]
+        if self.config.gradient_accumulation_fusion:
+            logits = linear_with_grad_accumulation_fusion(hidden, weight)  # [s, b, V/tp]
+        else:
+            logits = F.linear(hidden, weight)  # [s, b, V/tp]
         if self.fused_cross_entropy and self.pstate.tp_size == 1 and logits.is_cuda:
             from megatron.core.fusions import fused_vocab_cross_entropy
 

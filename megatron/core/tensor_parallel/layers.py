@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
     _all_gather_dim0,
@@ -117,6 +118,13 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], accumulate_fusion: bool):
+    """``F.linear``; with gradient-accumulation fusion the weight gradient goes straight into ``main_grad``."""
+    if accumulate_fusion:
+        return linear_with_grad_accumulation_fusion(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns: rank ``r`` holds ``A_r`` and computes ``Y_r = X A_r + b_r``.
 
@@ -151,6 +159,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.save_gathered_input = save_gathered_input
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.output_size_per_partition = _divide(output_size, pstate.tp_size, "output size of a column-parallel linear")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -188,7 +197,7 @@ class ColumnParallelLinear(nn.Module):
                 x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
             else:
                 x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in]
-            out = F.linear(x, weight, bias)  # [s, b, out/tp]
+            out = _linear(x, weight, bias, self.gradient_accumulation_fusion)  # [s, b, out/tp]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)
@@ -225,6 +234,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.input_size_per_partition = _divide(input_size, pstate.tp_size, "input size of a row-parallel linear")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
         if config.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True")
@@ -241,7 +251,7 @@ class RowParallelLinear(nn.Module):
         """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in/tp]
-        partial = F.linear(x, self.weight)  # [s, b, out], summed over TP below
+        partial = _linear(x, self.weight, None, self.gradient_accumulation_fusion)  # [s, b, out], summed below
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:

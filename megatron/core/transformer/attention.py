@@ -7,6 +7,7 @@ is row-parallel: its reduction (``g``) is the only communication in the forward 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -47,8 +48,10 @@ class CoreAttention(nn.Module):
         s, b, n, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         p = self.config.attention_dropout if self.training else 0.0
-        # Heads are split over TP ranks, so attention dropout draws from the per-TP-rank generator.
-        with tensor_parallel.get_rng_tracker().fork():
+        # Heads are split over TP ranks, so attention dropout draws from the per-TP-rank generator; without
+        # dropout there is nothing to draw, and skipping the fork keeps torch.compile graphs whole.
+        rng = tensor_parallel.get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext()
+        with rng:
             if self.config.attention_backend == "sdpa":
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             else:

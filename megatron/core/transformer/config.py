@@ -32,6 +32,8 @@ class TransformerConfig:
     # kernels: "sdpa" (torch scaled_dot_product_attention) or "unfused" (explicit scale-mask-softmax)
     attention_backend: str = "sdpa"
     use_fused_kernels: bool = True  # fused element-wise kernels on CUDA; plain PyTorch elsewhere
+    # weight-gradient GEMMs accumulate straight into the fp32 main_grad buffer (CUDA; a no-op elsewhere)
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from megatron.core import tensor_parallel
-from megatron.core.fusions import bias_dropout_add, bias_gelu, layer_norm
+from megatron.core.fusions import bias_dropout_add, bias_gelu, bias_gelu_linear, layer_norm
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import TransformerConfig
@@ -33,7 +33,12 @@ class LayerNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); the GeLU needs no communication."""
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); the GeLU needs no communication.
+
+    Under ``--recompute-granularity selective`` the GeLU output is not kept for backward but recomputed from the
+    first GEMM's output (which the GeLU backward keeps anyway): with flash attention the attention core stores
+    nothing worth recomputing, and the GeLU output is ``8sbh/t`` bytes per layer for one element-wise pass.
+    """
 
     def __init__(self, config: TransformerConfig, pstate: ParallelState):
         super().__init__()
@@ -46,9 +51,20 @@ class MLP(nn.Module):
             input_is_parallel=True, skip_bias_add=True,
         )
         self.use_fused = config.use_fused_kernels
+        self.recompute_gelu = config.recompute_granularity == "selective"
+        self.grad_accum_fusion = config.gradient_accumulation_fusion
 
     def forward(self, hidden: torch.Tensor):
         inter, inter_bias = self.linear_fc1(hidden)  # [s, b, ffn/tp]
+        if self.recompute_gelu and self.training:
+            fc2 = self.linear_fc2
+            partial = bias_gelu_linear(inter, inter_bias, fc2.weight, use_fused=self.use_fused,
+                                       gradient_accumulation_fusion=self.grad_accum_fusion)  # [s, b, h] partial
+            if fc2.sequence_parallel:
+                out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial, fc2.tp_group)  # [s/tp, b, h]
+            else:
+                out = tensor_parallel.reduce_from_tensor_model_parallel_region(partial, fc2.tp_group)  # [s, b, h]
+            return out, fc2.bias
         inter = bias_gelu(inter, inter_bias, use_fused=self.use_fused)
         return self.linear_fc2(inter)  # ([s(/tp), b, h], bias)
 
@@ -67,7 +83,7 @@ class TransformerLayer(nn.Module):
     def _dropout_rng(self):
         # Under SP each TP rank holds a different slice of the sequence, so the residual dropout must draw
         # different masks per rank; without SP the activations are replicated and so must the masks be.
-        if self.config.sequence_parallel:
+        if self.config.sequence_parallel and self.training and self.config.hidden_dropout > 0.0:
             return tensor_parallel.get_rng_tracker().fork()
         return contextlib.nullcontext()
 
