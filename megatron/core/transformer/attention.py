@@ -15,22 +15,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.fusions import scaled_masked_softmax
 from megatron.core.parallel_state import ParallelState
 from megatron.core.transformer.config import TransformerConfig
 
 
 def unfused_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, padding_mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, padding_mask: torch.Tensor | None = None,
+    use_fused_softmax: bool = True,
 ) -> torch.Tensor:
     """Explicit scale -> upper-triangular causal mask (+ optional padding mask) -> softmax (fp32) -> dropout -> xV.
 
     q, k, v: ``[b, n, s, d]``; ``padding_mask``: bool ``[b, 1, 1, s]`` (True = masked out). Returns ``[b, n, s, d]``.
+    The fused softmax keeps only 16-bit probabilities for backward (the paper's ``5as/h`` bytes).
     """
     s_q, s_k = q.shape[-2], k.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, n, s, s]
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [b, n, s, s]
     causal = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu_(1)
     mask = causal if padding_mask is None else (causal | padding_mask)
-    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
+    probs = scaled_masked_softmax(scores, mask, 1.0 / math.sqrt(q.shape[-1]), use_fused=use_fused_softmax)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     return torch.matmul(probs, v)
@@ -55,7 +58,7 @@ class CoreAttention(nn.Module):
             if self.config.attention_backend == "sdpa":
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             else:
-                ctx = unfused_causal_attention(q, k, v, p)
+                ctx = unfused_causal_attention(q, k, v, p, use_fused_softmax=self.config.use_fused_kernels)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, n*d]
 
 
