@@ -310,6 +310,9 @@ def main_entry(run: Callable[[], object]) -> None:
     """Run an entry point; flag and checkpoint errors end the process with status 2 and one clear line."""
     try:
         run()
+        if dist.is_initialized():
+            _sync()
+            dist.barrier()  # no rank tears its process group down while a peer still communicates
     except (ValueError, checkpointing.CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
