@@ -90,21 +90,30 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file} has no '<|endoftext|>' token (not a GPT-2 vocabulary?)")
         self._eod = eod
+        self._merge_file = merge_file
         self._fast = None
 
     @property
     def eod(self) -> int:
         return self._eod
 
+    @property
+    def uses_tiktoken(self) -> bool:
+        """Whether bulk encoding (``tokenize_batch_flat``) BPE-encodes new pieces with ``tiktoken``."""
+        self.tokenize_batch_flat([])
+        return self._fast is not None and self._fast._piece_encoder is not None
+
     def tokenize_batch_flat(self, texts: Sequence[str]):
         """(int64 ids of all texts back to back, int64 number of ids per text), for bulk preprocessing.
 
-        Uses ``FastGPT2Encoder`` (vectorised pre-tokenisation and a piece cache; same ids).
+        Uses ``FastGPT2Encoder`` (vectorised pre-tokenisation and a piece cache; same ids), whose unseen pieces
+        go to ``tiktoken``'s compiled BPE when it is installed (optional) and else to the Hugging Face model.
         """
         if self._fast is None:
-            from megatron.core.tokenizer.gpt2_fast import FastGPT2Encoder
+            from megatron.core.tokenizer.gpt2_fast import FastGPT2Encoder, read_merges, tiktoken_piece_encoder
 
-            self._fast = FastGPT2Encoder(self._tok, fallback=self)
+            piece = tiktoken_piece_encoder(self.vocab, read_merges(self._merge_file))
+            self._fast = FastGPT2Encoder(self._tok, fallback=self, piece_encoder=piece)
         return self._fast.encode_batch_flat(texts)
 
 
