@@ -1,9 +1,13 @@
 """Loose JSON -> ``.bin``/``.idx``: the engine behind ``tools/preprocess_data.py``.
 
-The main process streams the input (plain or ``.gz``, one JSON object per line) in batches of lines to
-worker processes; each worker parses the JSON, optionally splits sentences, tokenizes the whole batch in
-one call of the compiled tokenizer and returns NumPy arrays; the main process appends them, in input
-order, to one ``IndexedDatasetBuilder`` per JSON key. Memory stays bounded by a few batches in flight.
+With several workers and one uncompressed input file, the file is cut into byte ranges that start at
+line starts; each worker reads its own ranges (no reader process in between, no per-line transfers),
+parses the JSON, optionally splits sentences, tokenizes a few MB at a time in one call of the tokenizer
+and returns the range's tokens and lengths as NumPy arrays; the main process only appends them, in
+range order (hence Megatron's document order), to one ``IndexedDatasetBuilder`` per JSON key and writes
+the ``.idx``. Otherwise (``.gz``, several files, ``--partitions``, one worker) the main process streams
+batches of lines to the workers and appends their results in input order. Either way memory stays
+bounded by a few ranges or batches in flight.
 
 The documents and sequences written are those Megatron-LM's ``preprocess_data.py`` writes for the same
 input and flags: one sequence per document (one per non-empty sentence with ``--split-sentences``), the
@@ -33,6 +37,8 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 
 BATCH_BYTES = 1 << 20  # lines handed to a worker at a time (about 1 MB of JSON)
+RANGE_BYTES = 64 << 20  # at most this much of the input file per worker task in the byte-range mode
+CHUNK_BYTES = 4 << 20  # lines a worker reads and tokenizes at a time within its range
 MAX_REPORTED = 20  # bad lines printed one by one; the rest are only counted
 
 
@@ -200,6 +206,54 @@ def encode_batch(job: Tuple[int, List[bytes]]):
     return out, doc_lines, bad, blank, ntokens, nbytes
 
 
+def _read_lines(path: str, start: int, end: int) -> Iterator[List[bytes]]:
+    """Lines of ``path[start:end]`` (``start`` and ``end`` are line starts), about ``CHUNK_BYTES`` at a time."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            buf = f.read(min(CHUNK_BYTES, left))
+            if not buf:
+                break
+            left -= len(buf)
+            if left > 0 and not buf.endswith(b"\n"):
+                rest = f.readline()  # finish the last line (it ends at or before ``end``)
+                left -= len(rest)
+                buf += rest
+            lines = buf.split(b"\n")
+            if lines[-1] == b"":
+                lines.pop()
+            yield lines
+
+
+def encode_range(task: Tuple[str, int, int]):
+    """Worker entry of the byte-range mode: tokenize the lines of ``path[start:end]``.
+
+    Returns ``({key: (tokens, seq_lens, seqs_per_doc)}, documents, bad lines (numbered from 1 within the
+    range), blank lines, tokens, bytes, lines)``; under ``--strict`` it stops at the first bad chunk.
+    """
+    path, start, end = task
+    cfg: PreprocessConfig = _WORKER["cfg"]  # type: ignore[assignment]
+    parts: Dict[str, List[Tuple[np.ndarray, np.ndarray, np.ndarray]]] = {k: [] for k in cfg.json_keys}
+    bad: List[BadLine] = []
+    blank = ntokens = nbytes = ndocs = 0
+    line = 1
+    for lines in _read_lines(path, start, end):
+        out, doc_lines, b, bl, nt, nb = encode_batch((line, lines))
+        for key, arrays in out.items():
+            parts[key].append(arrays)
+        bad += b
+        blank, ntokens, ndocs = blank + bl, ntokens + nt, ndocs + len(doc_lines)
+        nbytes += nb + len(lines)  # the newlines split off
+        line += len(lines)
+        if b and cfg.strict:
+            break
+    dtypes = (optimal_dtype(_WORKER["tok"].vocab_size), np.int32, np.int64)  # tokens, seq_lens, seqs_per_doc
+    joined = {key: tuple(np.concatenate([c[i] for c in chunks]) if chunks else np.zeros(0, dt)
+                         for i, dt in enumerate(dtypes)) for key, chunks in parts.items()}
+    return joined, ndocs, bad, blank, ntokens, nbytes, line - 1
+
+
 def _flatten(lists: List[List[int]]):
     lens = [len(x) for x in lists]
     flat = np.fromiter((i for x in lists for i in x), dtype=np.int64, count=sum(lens))
@@ -240,6 +294,25 @@ def _input_files(pattern: str) -> List[str]:
     return files
 
 
+def _line_ranges(path: str, workers: int) -> List[Tuple[str, int, int]]:
+    """Cut ``path`` into byte ranges starting at line starts: at least two per worker (so a fast worker
+    takes over more), at most ``RANGE_BYTES`` each."""
+    size = os.path.getsize(path)
+    n = max(2 * workers, -(-size // RANGE_BYTES))
+    bounds = [0]
+    with open(path, "rb") as f:
+        for k in range(1, n):
+            pos = k * size // n
+            if pos <= bounds[-1]:
+                continue
+            f.seek(pos - 1)
+            f.readline()  # to the start of the next line (pos itself when byte pos-1 ends a line)
+            if bounds[-1] < f.tell() < size:
+                bounds.append(f.tell())
+    bounds.append(size)
+    return [(path, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
 class _Reader:
     """Streams batches of raw lines from the input files; knows how far it got for the ETA."""
 
@@ -248,6 +321,10 @@ class _Reader:
         self.total_size = sum(os.path.getsize(f) for f in files)
         self._done_size = 0
         self._raw = None
+
+    def seek_done(self, offset: int) -> None:
+        """Byte-range mode (one file, read by the workers): everything before ``offset`` is done."""
+        self._done_size = offset
 
     def position(self) -> int:
         return self._done_size + (self._raw.tell() if self._raw is not None and not self._raw.closed else 0)
@@ -284,6 +361,18 @@ def _bounded_imap(pool, fn, items, in_flight: int):
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
+
+
+def _range_results(results, reader: "_Reader", ranges):
+    """Adapt ``encode_range`` results to ``encode_batch``'s shape: bad lines renumbered within the file,
+    per-document line numbers (only counted here), and the reader's position moved for the ETA."""
+    line_base = 0
+    for (out, ndocs, bad, blank, ntokens, nbytes, nlines), (_, _, end) in zip(results, ranges):
+        for b in bad:
+            b.line += line_base
+        line_base += nlines
+        reader.seek_done(end)
+        yield out, np.zeros(ndocs, dtype=np.int64), bad, blank, ntokens, nbytes
 
 
 def _print(cfg: PreprocessConfig, msg: str) -> None:
@@ -324,13 +413,19 @@ def preprocess(cfg: PreprocessConfig) -> Stats:
     pool = None
     t0 = time.time()
     try:
-        if cfg.workers > 1 and sys.platform.startswith("linux"):
+        fork = cfg.workers > 1 and sys.platform.startswith("linux")
+        if fork:
             # Build the tokenizer (and its caches) once here; forked workers inherit it. Each worker is
             # one process on one core: the tokenizer library's own thread pool would only oversubscribe.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             _init_worker(cfg, tok)
             _warm_up(tok)
             pool = multiprocessing.get_context("fork").Pool(cfg.workers)
+        if fork and parts == 1 and len(files) == 1 and not files[0].endswith(".gz"):
+            # Byte-range mode: the workers read the file themselves; results come back in range order.
+            ranges = _line_ranges(files[0], cfg.workers)
+            results = _range_results(_bounded_imap(pool, encode_range, ranges, 2 * cfg.workers), reader, ranges)
+        elif fork:
             results = _bounded_imap(pool, encode_batch, reader.batches(), 2 * cfg.workers)
         elif cfg.workers > 1:
             pool = multiprocessing.get_context("spawn").Pool(cfg.workers, initializer=_init_worker, initargs=(cfg,))

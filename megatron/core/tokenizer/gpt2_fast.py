@@ -223,14 +223,19 @@ class _Powers:
         return self.pow[:n], self.ipow[:n]
 
 
-def _piece_hashes(cp64: np.ndarray, starts: np.ndarray, ends: np.ndarray, powers: _Powers) -> np.ndarray:
-    """Position-independent polynomial hash of every piece (uint64, wrapping arithmetic)."""
-    pw, ipw = powers.get(cp64.size + 1)
+def _piece_hashes(cp64: np.ndarray, starts: np.ndarray, lens: np.ndarray, pos: np.ndarray,
+                  powers: _Powers) -> np.ndarray:
+    """Position-independent polynomial hash of every piece (uint64, wrapping arithmetic):
+    sum over the piece of cp * P**(position in the piece), plus a multiple of its length.
+
+    ``pos`` is the position of every code point within its piece; only powers up to the longest piece are
+    needed (a prefix-sum formulation needs P**k for every offset k of the batch: tables of the batch's size
+    that cost more to build and page in than the hashing itself).
+    """
+    pw, _ = powers.get(int(lens.max()) if lens.size else 1)
     with np.errstate(over="ignore"):
-        pref = np.zeros(cp64.size + 1, dtype=np.uint64)
-        np.cumsum(cp64 * pw[: cp64.size], out=pref[1:])
-        h = (pref[ends] - pref[starts]) * ipw[starts]
-        return h + (ends - starts).astype(np.uint64) * np.uint64(0x100000001B3)
+        h = np.add.reduceat(cp64 * pw[pos], starts)  # [pieces]
+        return h + lens.astype(np.uint64) * np.uint64(0x100000001B3)
 
 
 class _HashTable:
@@ -338,9 +343,11 @@ class FastGPT2Encoder:
         if ends.size:
             ends[-1] = n
         cp64 = cp.astype(np.uint64)
-        k1 = _piece_hashes(cp64, starts, ends, self._pw1)
+        lens = ends - starts  # [pieces]
+        pos = np.arange(n, dtype=np.int64) - np.repeat(starts, lens)  # [n] position within the piece
+        k1 = _piece_hashes(cp64, starts, lens, pos, self._pw1)
         k1[k1 == 0] = 1  # 0 marks empty slots of the table (k2 still tells such pieces apart)
-        k2 = _piece_hashes(cp64, starts, ends, self._pw2)
+        k2 = _piece_hashes(cp64, starts, lens, pos, self._pw2)
         row = self._lookup(big, starts, ends, k1, k2)
         if row is None:  # a hash collision: take the slow exact path for this batch
             lists = self._fallback.tokenize_batch(list(texts))
