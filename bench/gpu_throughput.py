@@ -439,7 +439,44 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
         f.write("\n".join(md) + "\n")
 
 
+def assemble(paths: list, results_dir: str) -> None:
+    """Merge the rows of several result files into gpu_throughput.{json,md}; later files win per trainer/shape.
+
+    Each row keeps its own exact command; the sources (file, date, command) are listed in the output.
+    """
+    rows, extras, sources = {}, {"log_tflops": {}, "losses": {}, "errors": {}, "row_sources": {}}, []
+    env = None
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        env = env or d["env"]
+        sources.append({"file": os.path.basename(path), "date": d["date"], "command": d["command"]})
+        for r in d["rows"]:
+            key = f"{r['trainer']}/{r['num_layers']}x{r['hidden_size']}"
+            rows[key] = r
+            extras["row_sources"][key] = f"{os.path.basename(path)} ({d['date']})"
+            for k in ("log_tflops", "losses"):
+                if key in d.get("extras", {}).get(k, {}):
+                    extras[k][key] = d["extras"][k][key]
+    order = {t: i for i, t in enumerate(TRAINERS)}
+    ordered = sorted(rows.values(), key=lambda r: (-r["num_layers"], order[r["trainer"]]))
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "env": env,
+            "command": "python bench/gpu_throughput.py --assemble " + " ".join(os.path.basename(p) for p in paths),
+            "sources": sources}
+    out = os.path.join(results_dir, "gpu_throughput.json")
+    write_results(out, meta, ordered, extras)
+    with open(out[:-5] + ".md", "a") as f:
+        f.write("\nRows assembled from these runs (same H200 lease series, one session):\n\n")
+        for key, src in extras["row_sources"].items():
+            f.write(f"- {key}: {src}\n")
+        for src in sources:
+            f.write(f"- {src['file']}: `{src['command']}`\n")
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--assemble":
+        assemble(sys.argv[2:], os.path.join(ROOT, "bench", "results"))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--run-ours":
         run_ours_wrapper(sys.argv[3:] if sys.argv[2] == "--" else sys.argv[2:])
         return
