@@ -179,10 +179,29 @@ def tiktoken_piece_encoder(vocab: Dict[str, int], merges: Sequence[Tuple[str, st
         if vocab.get(a + b) != 256 + k:
             return None
     enc = Encoding("gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
-    single = getattr(enc, "_encode_single_piece", None)
-    if single is None:  # a tiktoken without the per-piece entry point
-        return None
+    core = getattr(enc, "_core_bpe", None)
+    single = getattr(core, "encode_single_piece", None)  # bytes -> ids, straight into the compiled BPE
+    if single is None:
+        single = getattr(enc, "_encode_single_piece", None)  # the same through tiktoken's Python wrapper
     return single
+
+
+def single_token_pieces(vocab: Dict[str, int], n_bpe: int) -> Tuple[List[str], List[int]]:
+    """The BPE tokens (id < ``n_bpe``) as text, for those whose bytes are valid UTF-8, with their ids.
+
+    A piece equal to a token is that one token under tiktoken's rule (it returns the token directly), so
+    these can seed the piece cache when ``tiktoken_piece_encoder`` is in use.
+    """
+    to_byte = str.maketrans({c: chr(b) for b, c in byte_to_char_table().items()})
+    texts, ids = [], []
+    for token, i in vocab.items():
+        if i < n_bpe:
+            try:
+                texts.append(token.translate(to_byte).encode("latin-1").decode("utf-8"))
+            except (UnicodeEncodeError, UnicodeDecodeError):
+                continue
+            ids.append(i)
+    return texts, ids
 
 
 def read_merges(merge_file: str) -> List[Tuple[str, str]]:
@@ -315,6 +334,7 @@ class FastGPT2Encoder:
         self._fallback = fallback
         self._max_cache_tokens = max_cache_tokens
         self._pw1, self._pw2 = _Powers(_P1), _Powers(_P2)
+        self._seed: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self._reset()
 
     def _reset(self) -> None:
@@ -323,6 +343,36 @@ class FastGPT2Encoder:
         self._off = np.zeros(0, dtype=np.int64)
         self._len = np.zeros(0, dtype=np.int64)
         self._ids = np.zeros(0, dtype=np.int64)
+        if self._seed is not None:  # seeded pieces survive cache resets
+            k1, k2, ids = self._seed
+            self._table.insert(k1, np.arange(k1.size, dtype=np.int64))
+            self._k2, self._ids = k2, ids
+            self._off, self._len = np.arange(k1.size, dtype=np.int64), np.ones(k1.size, dtype=np.int64)
+
+    def seed_single_tokens(self, texts: Sequence[str], ids: Sequence[int]) -> int:
+        """Enter strings known to encode to one id each (``single_token_pieces``) into the piece cache, before
+        any encoding. Strings that are not exactly one GPT-2 piece, and any whose hash is shared, are left
+        out. Returns the number entered."""
+        keep = [k for k, t in enumerate(texts) if t]
+        texts, ids_arr = [texts[k] for k in keep], np.asarray(ids, dtype=np.int64)[keep]
+        tlen = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))  # [tokens]
+        tstart = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum(tlen, out=tstart[1:])
+        n = int(tstart[-1])
+        cp = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32)  # [n]
+        text_start = np.zeros(n, dtype=bool)
+        text_start[tstart[:-1]] = True
+        one_piece = np.diff(np.searchsorted(piece_starts(cp, text_start), tstart)) == 1  # [tokens]
+        pos = np.arange(n, dtype=np.int64) - np.repeat(tstart[:-1], tlen)
+        cp64 = cp.astype(np.uint64)
+        k1 = _piece_hashes(cp64, tstart[:-1], tlen, pos, self._pw1)
+        k1[k1 == 0] = 1
+        k2 = _piece_hashes(cp64, tstart[:-1], tlen, pos, self._pw2)
+        _, inv, counts = np.unique(k1, return_inverse=True, return_counts=True)
+        sel = one_piece & (counts[inv] == 1)
+        self._seed = (k1[sel], k2[sel], ids_arr[sel])
+        self._reset()
+        return int(sel.sum())
 
     def encode_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
         """(ids of all texts back to back (int64), number of ids of each text (int64))."""

@@ -110,10 +110,13 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         go to ``tiktoken``'s compiled BPE when it is installed (optional) and else to the Hugging Face model.
         """
         if self._fast is None:
-            from megatron.core.tokenizer.gpt2_fast import FastGPT2Encoder, read_merges, tiktoken_piece_encoder
+            from megatron.core.tokenizer import gpt2_fast
 
-            piece = tiktoken_piece_encoder(self.vocab, read_merges(self._merge_file))
-            self._fast = FastGPT2Encoder(self._tok, fallback=self, piece_encoder=piece)
+            vocab, merges = self.vocab, gpt2_fast.read_merges(self._merge_file)
+            piece = gpt2_fast.tiktoken_piece_encoder(vocab, merges)
+            self._fast = gpt2_fast.FastGPT2Encoder(self._tok, fallback=self, piece_encoder=piece)
+            if piece is not None:  # tiktoken's rule: a piece equal to a token is that token
+                self._fast.seed_single_tokens(*gpt2_fast.single_token_pieces(vocab, 256 + len(merges)))
         return self._fast.encode_batch_flat(texts)
 
 
