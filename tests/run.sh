@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash examples/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider tests/unit tests/functional "$@"
+# tests/gpu: the CPU fallbacks run here, the CUDA tests skip without a GPU
+exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider tests/unit tests/functional tests/gpu "$@"
