@@ -38,7 +38,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, optima
 
 BATCH_BYTES = 1 << 20  # lines handed to a worker at a time (about 1 MB of JSON)
 RANGE_BYTES = 64 << 20  # at most this much of the input file per worker task in the byte-range mode
-CHUNK_BYTES = 4 << 20  # lines a worker reads and tokenizes at a time within its range
+CHUNK_BYTES = 1 << 20  # lines a worker reads and tokenizes at a time within its range
 MAX_REPORTED = 20  # bad lines printed one by one; the rest are only counted
 
 
@@ -112,8 +112,8 @@ def _init_worker(cfg: PreprocessConfig, tok=None) -> None:
 
 def _warm_up(tok) -> None:
     """Build lazily created tokenizer state (GPT-2's encoder and character classes) before forking."""
-    if hasattr(tok, "tokenize_batch_flat"):
-        tok.tokenize_batch_flat(["Build the tables once; the forked workers share them."])
+    if hasattr(tok, "prepare_bulk"):
+        tok.prepare_bulk(CHUNK_BYTES + (CHUNK_BYTES >> 1))  # a chunk has at most about this many characters
 
 
 def _describe(value) -> str:

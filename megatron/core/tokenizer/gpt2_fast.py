@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import regex
@@ -145,9 +145,15 @@ def byte_to_char_table() -> dict:
     return table
 
 
-def tiktoken_piece_encoder(vocab: Dict[str, int], merges: Sequence[Tuple[str, str]]
-                           ) -> Optional[Callable[[bytes], List[int]]]:
-    """``tiktoken``'s compiled BPE for one GPT-2 piece (UTF-8 bytes -> ids), built offline from the vocabulary.
+class TiktokenBPE(NamedTuple):
+    """``encode``: one GPT-2 piece (UTF-8 bytes) -> ids; ``ranks``: token bytes -> id, the BPE's tokens."""
+
+    encode: Callable[[bytes], List[int]]
+    ranks: Dict[bytes, int]
+
+
+def tiktoken_piece_encoder(vocab: Dict[str, int], merges: Sequence[Tuple[str, str]]) -> Optional[TiktokenBPE]:
+    """``tiktoken``'s compiled BPE for one GPT-2 piece, built offline from the vocabulary (no download).
 
     Returns None (callers then use the Hugging Face BPE model) when ``tiktoken`` is not installed, when
     ``MEGATRON_NO_TIKTOKEN=1`` is set, or when the files do not have the shape that makes tiktoken's rule
@@ -183,37 +189,31 @@ def tiktoken_piece_encoder(vocab: Dict[str, int], merges: Sequence[Tuple[str, st
     single = getattr(core, "encode_single_piece", None)  # bytes -> ids, straight into the compiled BPE
     if single is None:
         single = getattr(enc, "_encode_single_piece", None)  # the same through tiktoken's Python wrapper
-    return single
+    return None if single is None else TiktokenBPE(single, ranks)
 
 
-def single_token_pieces(vocab: Dict[str, int], n_bpe: int) -> Tuple[List[str], List[int]]:
-    """The BPE tokens (id < ``n_bpe``) as text, for those whose bytes are valid UTF-8, with their ids.
+def single_token_pieces(ranks: Dict[bytes, int]) -> Tuple[List[str], List[int]]:
+    """The BPE tokens of ``TiktokenBPE.ranks`` as text (those whose bytes are valid UTF-8), with their ids.
 
     A piece equal to a token is that one token under tiktoken's rule (it returns the token directly), so
-    these can seed the piece cache when ``tiktoken_piece_encoder`` is in use.
+    these can seed the piece cache when ``TiktokenBPE.encode`` encodes the other pieces.
     """
-    to_byte = str.maketrans({c: chr(b) for b, c in byte_to_char_table().items()})
     texts, ids = [], []
-    for token, i in vocab.items():
-        if i < n_bpe:
-            try:
-                texts.append(token.translate(to_byte).encode("latin-1").decode("utf-8"))
-            except (UnicodeEncodeError, UnicodeDecodeError):
-                continue
-            ids.append(i)
+    for token, i in ranks.items():
+        try:
+            texts.append(token.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        ids.append(i)
     return texts, ids
 
 
 def read_merges(merge_file: str) -> List[Tuple[str, str]]:
     """The merge pairs of a GPT-2 ``merges.txt``, in order (the ``#version`` header skipped)."""
-    out = []
     with open(merge_file, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("#version") or not line.strip():
-                continue
-            a, _, b = line.rstrip("\r\n").partition(" ")
-            out.append((a, b))
-    return out
+        lines = f.read().split("\n")
+    return [tuple(line.rstrip("\r").split(" ", 1)) for line in lines  # type: ignore[misc]
+            if line.strip() and not line.startswith("#version")]
 
 
 _P1 = np.uint64(0x9E3779B97F4A7C15)
@@ -225,7 +225,7 @@ def _inverse_mod_2_64(p: int) -> int:
 
 
 class _Powers:
-    """P**j and P**-j modulo 2**64 for j < n, grown on demand."""
+    """P**j and P**-j modulo 2**64 for j < n, grown on demand to a power of two (so rarely)."""
 
     def __init__(self, p: np.uint64):
         self.p = p
@@ -235,26 +235,26 @@ class _Powers:
 
     def get(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
         if self.pow.size < n:
-            m = max(n, 2 * self.pow.size)
+            m = 1 << max(n - 1, 1).bit_length()
             with np.errstate(over="ignore"):
-                self.pow = np.cumprod(np.concatenate([[np.uint64(1)], np.full(m - 1, self.p)]), dtype=np.uint64)
-                self.ipow = np.cumprod(np.concatenate([[np.uint64(1)], np.full(m - 1, self.inv)]), dtype=np.uint64)
+                self.pow = np.full(m, self.p, dtype=np.uint64)
+                self.pow[0] = 1
+                np.cumprod(self.pow, out=self.pow)
+                self.ipow = np.full(m, self.inv, dtype=np.uint64)
+                self.ipow[0] = 1
+                np.cumprod(self.ipow, out=self.ipow)
         return self.pow[:n], self.ipow[:n]
 
 
-def _piece_hashes(cp64: np.ndarray, starts: np.ndarray, lens: np.ndarray, pos: np.ndarray,
-                  powers: _Powers) -> np.ndarray:
-    """Position-independent polynomial hash of every piece (uint64, wrapping arithmetic):
-    sum over the piece of cp * P**(position in the piece), plus a multiple of its length.
-
-    ``pos`` is the position of every code point within its piece; only powers up to the longest piece are
-    needed (a prefix-sum formulation needs P**k for every offset k of the batch: tables of the batch's size
-    that cost more to build and page in than the hashing itself).
-    """
-    pw, _ = powers.get(int(lens.max()) if lens.size else 1)
+def _piece_hashes(cp64: np.ndarray, starts: np.ndarray, ends: np.ndarray, powers: _Powers) -> np.ndarray:
+    """Position-independent polynomial hash of every piece (uint64, wrapping arithmetic): sum over the piece
+    of cp * P**(position in the piece), plus a multiple of its length, from one prefix sum over the batch."""
+    pw, ipw = powers.get(cp64.size + 1)
     with np.errstate(over="ignore"):
-        h = np.add.reduceat(cp64 * pw[pos], starts)  # [pieces]
-        return h + lens.astype(np.uint64) * np.uint64(0x100000001B3)
+        pref = np.zeros(cp64.size + 1, dtype=np.uint64)
+        np.cumsum(cp64 * pw[: cp64.size], out=pref[1:])
+        h = (pref[ends] - pref[starts]) * ipw[starts]  # [pieces]
+        return h + (ends - starts).astype(np.uint64) * np.uint64(0x100000001B3)
 
 
 class _HashTable:
@@ -322,13 +322,15 @@ class FastGPT2Encoder:
     its code points; a hash table maps known pieces to their ids, and unseen pieces (the only ones ever
     turned into Python strings) are encoded by ``piece_encoder`` (UTF-8 bytes -> ids; see
     ``tiktoken_piece_encoder``) when given, else by the BPE model of ``bpe`` (a ``tokenizers.Tokenizer`` with
-    the GPT-2 BPE model) after mapping their bytes to GPT-2's byte alphabet. A batch whose hashes collide
+    the GPT-2 BPE model, or a function returning one, called when first needed) after mapping their bytes
+    to GPT-2's byte alphabet. A batch whose hashes collide
     (never seen in practice) is encoded by the ``fallback`` tokenizer instead, so results are always exact.
     """
 
     def __init__(self, bpe, fallback, max_cache_tokens: int = 8_000_000,
                  piece_encoder: Optional[Callable[[bytes], List[int]]] = None):
-        self._model = bpe.model  # the BPE model alone: no pre-tokenizer, no offsets bookkeeping
+        self._bpe = bpe
+        self._model = None  # the BPE model alone (no pre-tokenizer, no offsets bookkeeping), on first use
         self._piece_encoder = piece_encoder
         self._byte_chars = byte_to_char_table()
         self._fallback = fallback
@@ -349,6 +351,12 @@ class FastGPT2Encoder:
             self._k2, self._ids = k2, ids
             self._off, self._len = np.arange(k1.size, dtype=np.int64), np.ones(k1.size, dtype=np.int64)
 
+    def reserve(self, max_chars: int) -> None:
+        """Build the hashing tables for batches of up to ``max_chars`` code points now (e.g. before forking
+        workers, which then share them) instead of on the first large batch."""
+        self._pw1.get(max_chars + 1)
+        self._pw2.get(max_chars + 1)
+
     def seed_single_tokens(self, texts: Sequence[str], ids: Sequence[int]) -> int:
         """Enter strings known to encode to one id each (``single_token_pieces``) into the piece cache, before
         any encoding. Strings that are not exactly one GPT-2 piece, and any whose hash is shared, are left
@@ -363,11 +371,10 @@ class FastGPT2Encoder:
         text_start = np.zeros(n, dtype=bool)
         text_start[tstart[:-1]] = True
         one_piece = np.diff(np.searchsorted(piece_starts(cp, text_start), tstart)) == 1  # [tokens]
-        pos = np.arange(n, dtype=np.int64) - np.repeat(tstart[:-1], tlen)
         cp64 = cp.astype(np.uint64)
-        k1 = _piece_hashes(cp64, tstart[:-1], tlen, pos, self._pw1)
+        k1 = _piece_hashes(cp64, tstart[:-1], tstart[1:], self._pw1)
         k1[k1 == 0] = 1
-        k2 = _piece_hashes(cp64, tstart[:-1], tlen, pos, self._pw2)
+        k2 = _piece_hashes(cp64, tstart[:-1], tstart[1:], self._pw2)
         _, inv, counts = np.unique(k1, return_inverse=True, return_counts=True)
         sel = one_piece & (counts[inv] == 1)
         self._seed = (k1[sel], k2[sel], ids_arr[sel])
@@ -393,11 +400,9 @@ class FastGPT2Encoder:
         if ends.size:
             ends[-1] = n
         cp64 = cp.astype(np.uint64)
-        lens = ends - starts  # [pieces]
-        pos = np.arange(n, dtype=np.int64) - np.repeat(starts, lens)  # [n] position within the piece
-        k1 = _piece_hashes(cp64, starts, lens, pos, self._pw1)
+        k1 = _piece_hashes(cp64, starts, ends, self._pw1)
         k1[k1 == 0] = 1  # 0 marks empty slots of the table (k2 still tells such pieces apart)
-        k2 = _piece_hashes(cp64, starts, lens, pos, self._pw2)
+        k2 = _piece_hashes(cp64, starts, ends, self._pw2)
         row = self._lookup(big, starts, ends, k1, k2)
         if row is None:  # a hash collision: take the slow exact path for this batch
             lists = self._fallback.tokenize_batch(list(texts))
@@ -435,6 +440,8 @@ class FastGPT2Encoder:
             new_len = np.fromiter(map(len, per_piece), dtype=np.int64, count=len(per_piece))
             new_ids = np.fromiter(itertools.chain.from_iterable(per_piece), dtype=np.int64, count=int(new_len.sum()))
         else:  # the Hugging Face BPE model on each new piece, written in GPT-2's byte-to-character alphabet
+            if self._model is None:
+                self._model = (self._bpe() if callable(self._bpe) else self._bpe).model
             table, model = self._byte_chars, self._model
             per_piece = [model.tokenize(big[a:b].encode("utf-8").decode("latin-1").translate(table))
                          for a, b in zip(s, e)]

@@ -80,18 +80,41 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
     def __init__(self, vocab_file: str, merge_file: str):
         _require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
         _require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
-        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
-        # GPT-2 pre-tokenises with its regular expression and maps bytes to printable characters;
-        # no prefix space is added (Megatron's tokenizer adds none either).
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
-        super().__init__(tok)
-        eod = tok.token_to_id("<|endoftext|>")
+        self._vocab_file, self._merge_file = vocab_file, merge_file
+        self._add_special = False
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({err})") from err
+        if not isinstance(vocab, dict):
+            raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object of token -> id")
+        self._vocab = vocab
+        eod = vocab.get("<|endoftext|>")
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file} has no '<|endoftext|>' token (not a GPT-2 vocabulary?)")
         self._eod = eod
-        self._merge_file = merge_file
+        self._hf = None  # the Hugging Face tokenizer, built on first use (bulk encoding may never need it)
         self._fast = None
+
+    @property
+    def _tok(self) -> Tokenizer:
+        if self._hf is None:
+            tok = Tokenizer(models.BPE.from_file(self._vocab_file, self._merge_file))
+            # GPT-2 pre-tokenises with its regular expression and maps bytes to printable characters;
+            # no prefix space is added (Megatron's tokenizer adds none either).
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            tok.decoder = decoders.ByteLevel()
+            self._hf = tok
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> dict:
+        return dict(self._vocab)
 
     @property
     def eod(self) -> int:
@@ -103,6 +126,12 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         self.tokenize_batch_flat([])
         return self._fast is not None and self._fast._piece_encoder is not None
 
+    def prepare_bulk(self, max_chars: int) -> None:
+        """Build the bulk encoder and its tables for batches of up to ``max_chars`` characters now (before
+        forking preprocessing workers, which then share them)."""
+        self.tokenize_batch_flat([])
+        self._fast.reserve(max_chars)
+
     def tokenize_batch_flat(self, texts: Sequence[str]):
         """(int64 ids of all texts back to back, int64 number of ids per text), for bulk preprocessing.
 
@@ -112,11 +141,12 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         if self._fast is None:
             from megatron.core.tokenizer import gpt2_fast
 
-            vocab, merges = self.vocab, gpt2_fast.read_merges(self._merge_file)
-            piece = gpt2_fast.tiktoken_piece_encoder(vocab, merges)
-            self._fast = gpt2_fast.FastGPT2Encoder(self._tok, fallback=self, piece_encoder=piece)
-            if piece is not None:  # tiktoken's rule: a piece equal to a token is that token
-                self._fast.seed_single_tokens(*gpt2_fast.single_token_pieces(vocab, 256 + len(merges)))
+            vocab, merges = self._vocab, gpt2_fast.read_merges(self._merge_file)
+            tk = gpt2_fast.tiktoken_piece_encoder(vocab, merges)
+            self._fast = gpt2_fast.FastGPT2Encoder(lambda: self._tok, fallback=self,
+                                                   piece_encoder=None if tk is None else tk.encode)
+            if tk is not None:  # tiktoken's rule: a piece equal to a token is that token
+                self._fast.seed_single_tokens(*gpt2_fast.single_token_pieces(tk.ranks))
         return self._fast.encode_batch_flat(texts)
 
 
