@@ -1,0 +1,25 @@
+"""bf16 and fp16 training through pretrain_gpt.py on CPU: the loss falls; fp16 overflows skip and halve the scale."""
+
+from tests.functional.harness import gpt_args, losses
+
+
+def test_bf16_trains_and_tracks_fp32(data_prefix, baseline):
+    run = losses(gpt_args(data_prefix, bf16=True))
+    assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
+    for it in run:  # bf16 weights/activations with fp32 main params stay close to the fp32 curve
+        assert abs(run[it]["lm loss"] - baseline[it]["lm loss"]) < 0.05, it
+    assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
+
+
+def test_fp16_dynamic_loss_scale_skips_overflows_then_trains(data_prefix):
+    run = losses(gpt_args(data_prefix, fp16=True, initial_loss_scale=2.0**40, hysteresis=1, train_iters=40,
+                          lr_decay_style="constant", lr_warmup_iters=0))
+    scales = [run[i]["loss scale"] for i in sorted(run)]
+    skipped = [run[i]["skipped"] for i in sorted(run)]
+    # each overflow skips the step and halves the scale (hysteresis 1) until the gradients fit in fp16
+    first_ok = next(i for i in range(1, len(skipped)) if skipped[i] == skipped[i - 1])
+    assert first_ok >= 2 and skipped[first_ok - 1] == first_ok
+    for i in range(first_ok):
+        assert scales[i] == 2.0**40 / 2 ** (i + 1)
+    assert run[40]["lm loss"] < run[first_ok + 1]["lm loss"] - 0.3  # then it trains
+    assert all(v["nan"] == 0 for v in run.values())  # overflow skips are not NaN iterations
