@@ -113,7 +113,7 @@ def _init_worker(cfg: PreprocessConfig, tok=None) -> None:
 def _warm_up(tok) -> None:
     """Build lazily created tokenizer state (GPT-2's encoder and character classes) before forking."""
     if hasattr(tok, "prepare_bulk"):
-        tok.prepare_bulk(CHUNK_BYTES + (CHUNK_BYTES >> 1))  # a chunk has at most about this many characters
+        tok.prepare_bulk(CHUNK_BYTES + (CHUNK_BYTES >> 3))  # characters of a chunk (at most its bytes) and more
 
 
 def _describe(value) -> str:

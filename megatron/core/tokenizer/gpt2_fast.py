@@ -225,7 +225,7 @@ def _inverse_mod_2_64(p: int) -> int:
 
 
 class _Powers:
-    """P**j and P**-j modulo 2**64 for j < n, grown on demand to a power of two (so rarely)."""
+    """P**j and P**-j modulo 2**64 for j < n, grown on demand by at least a quarter (so rarely)."""
 
     def __init__(self, p: np.uint64):
         self.p = p
@@ -235,7 +235,7 @@ class _Powers:
 
     def get(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
         if self.pow.size < n:
-            m = 1 << max(n - 1, 1).bit_length()
+            m = max(n, self.pow.size + self.pow.size // 4)
             with np.errstate(over="ignore"):
                 self.pow = np.full(m, self.p, dtype=np.uint64)
                 self.pow[0] = 1
@@ -249,12 +249,18 @@ class _Powers:
 def _piece_hashes(cp64: np.ndarray, starts: np.ndarray, ends: np.ndarray, powers: _Powers) -> np.ndarray:
     """Position-independent polynomial hash of every piece (uint64, wrapping arithmetic): sum over the piece
     of cp * P**(position in the piece), plus a multiple of its length, from one prefix sum over the batch."""
-    pw, ipw = powers.get(cp64.size + 1)
+    n = cp64.size
+    pw, ipw = powers.get(n + 1)
     with np.errstate(over="ignore"):
-        pref = np.zeros(cp64.size + 1, dtype=np.uint64)
-        np.cumsum(cp64 * pw[: cp64.size], out=pref[1:])
-        h = (pref[ends] - pref[starts]) * ipw[starts]  # [pieces]
-        return h + (ends - starts).astype(np.uint64) * np.uint64(0x100000001B3)
+        pref = np.empty(n + 1, dtype=np.uint64)
+        pref[0] = 0
+        np.multiply(cp64, pw[:n], out=pref[1:])
+        np.cumsum(pref[1:], out=pref[1:])
+        h = pref[ends]
+        h -= pref[starts]
+        h *= ipw[starts]  # [pieces]
+        h += (ends - starts).astype(np.uint64) * np.uint64(0x100000001B3)
+        return h
 
 
 class _HashTable:
