@@ -112,3 +112,71 @@ def test_fast_gpt2_batch_equals_reference_across_text_boundaries():
         want = [ref.encode(t) for t in texts]
         assert lens.tolist() == [len(w) for w in want]
         assert flat.tolist() == [i for w in want for i in w]
+
+
+def _gpt2_files():
+    from megatron.core.tokenizer.gpt2_fast import read_merges
+
+    with open(GPT2_VOCAB, encoding="utf-8") as f:
+        return json.load(f), read_merges(GPT2_MERGES)
+
+
+def test_tiktoken_bpe_equals_the_merges_bpe():
+    """tiktoken's rule (lowest-id merge) gives GPT-2's ids (merges.txt order) on every vocabulary token and on
+    adversarial pieces: random concatenations of whole and cut tokens, where the two rules could part."""
+    import random
+
+    pytest.importorskip("tiktoken")
+    from megatron.core.tokenizer.gpt2_fast import byte_to_char_table, tiktoken_piece_encoder
+
+    vocab, merges = _gpt2_files()
+    tk = tiktoken_piece_encoder(vocab, merges)
+    assert tk is not None and len(tk.ranks) == 50256
+    model = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)._tok.model
+    table = byte_to_char_table()
+
+    def hf(piece: bytes):
+        return [t.id for t in model.tokenize(piece.decode("latin-1").translate(table))]
+
+    for token in tk.ranks:
+        assert tk.encode(token) == hf(token), token
+    rng = random.Random(0)
+    tokens = [t for t in tk.ranks if len(t) > 1]
+    for trial in range(20000):
+        parts = [rng.choice(tokens) for _ in range(rng.randint(2, 6))]
+        if trial % 2:
+            parts = [p[rng.randint(0, len(p) - 1):] for p in parts]
+        piece = b"".join(parts)
+        assert tk.encode(piece) == hf(piece), piece
+
+
+def test_tiktoken_refused_when_the_files_disagree_with_its_rule(monkeypatch):
+    pytest.importorskip("tiktoken")
+    from megatron.core.tokenizer.gpt2_fast import tiktoken_piece_encoder
+
+    vocab, merges = _gpt2_files()
+    swapped = list(merges)
+    swapped[10], swapped[11] = swapped[11], swapped[10]  # merge order no longer the id order
+    assert tiktoken_piece_encoder(vocab, swapped) is None
+    assert tiktoken_piece_encoder(vocab, merges[:100] + merges[101:]) is None  # a token no merge makes
+    monkeypatch.setenv("MEGATRON_NO_TIKTOKEN", "1")
+    assert tiktoken_piece_encoder(vocab, merges) is None
+
+
+def test_bulk_encoder_same_ids_with_and_without_tiktoken(monkeypatch):
+    """Bulk ids (piece cache seeded from the vocabulary, new pieces by tiktoken) equal the Hugging Face
+    path and the independent reference on real and edge-case text."""
+    pytest.importorskip("tiktoken")
+    texts = _real_texts(40) + ["<|endoftext|> stays text", "\u00a0\u2003 x", "a" * 3000, "😀" * 50, "'S 'LL 'Re"]
+    ref = ReferenceGPT2BPE(GPT2_VOCAB, GPT2_MERGES)
+    want = [ref.encode(t) for t in texts]
+    for flag, uses in (("0", True), ("1", False)):
+        monkeypatch.setenv("MEGATRON_NO_TIKTOKEN", flag)
+        tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+        assert tok.uses_tiktoken is uses
+        if uses:
+            assert tok._fast._seed[0].size > 40000  # most tokens are one GPT-2 piece and seed the cache
+        for _ in range(2):
+            flat, lens = tok.tokenize_batch_flat(texts)
+            assert lens.tolist() == [len(w) for w in want]
+            assert flat.tolist() == [i for w in want for i in w]
