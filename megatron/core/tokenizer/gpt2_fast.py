@@ -184,6 +184,17 @@ def tiktoken_piece_encoder(vocab: Dict[str, int], merges: Sequence[Tuple[str, st
     for k, (a, b) in enumerate(merges):
         if vocab.get(a + b) != 256 + k:
             return None
+    return tiktoken_from_ranks(ranks)
+
+
+def tiktoken_from_ranks(ranks: Dict[bytes, int]) -> Optional[TiktokenBPE]:
+    """The tiktoken BPE of ranks already checked by ``tiktoken_piece_encoder`` (e.g. cached ones)."""
+    if os.environ.get("MEGATRON_NO_TIKTOKEN", "0") not in ("", "0"):
+        return None
+    try:
+        from tiktoken.core import Encoding
+    except ImportError:
+        return None
     enc = Encoding("gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
     core = getattr(enc, "_core_bpe", None)
     single = getattr(core, "encode_single_piece", None)  # bytes -> ids, straight into the compiled BPE
@@ -232,6 +243,13 @@ class _Powers:
         self.inv = np.uint64(_inverse_mod_2_64(int(p)))
         self.pow = np.ones(1, dtype=np.uint64)
         self.ipow = np.ones(1, dtype=np.uint64)
+
+    def reserve(self, n: int) -> None:
+        """Tables for j < n now, from the on-disk cache (``gpt2_cache.powers``)."""
+        if self.pow.size < n:
+            from megatron.core.tokenizer import gpt2_cache
+
+            self.pow, self.ipow = gpt2_cache.powers(int(self.p), int(self.inv), n)
 
     def get(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
         if self.pow.size < n:
@@ -360,8 +378,8 @@ class FastGPT2Encoder:
     def reserve(self, max_chars: int) -> None:
         """Build the hashing tables for batches of up to ``max_chars`` code points now (e.g. before forking
         workers, which then share them) instead of on the first large batch."""
-        self._pw1.get(max_chars + 1)
-        self._pw2.get(max_chars + 1)
+        self._pw1.reserve(max_chars + 1)
+        self._pw2.reserve(max_chars + 1)
 
     def seed_single_tokens(self, texts: Sequence[str], ids: Sequence[int]) -> int:
         """Enter strings known to encode to one id each (``single_token_pieces``) into the piece cache, before
@@ -383,9 +401,21 @@ class FastGPT2Encoder:
         k2 = _piece_hashes(cp64, tstart[:-1], tstart[1:], self._pw2)
         _, inv, counts = np.unique(k1, return_inverse=True, return_counts=True)
         sel = one_piece & (counts[inv] == 1)
-        self._seed = (k1[sel], k2[sel], ids_arr[sel])
-        self._reset()
+        self.set_seed(np.stack([k1[sel], k2[sel], ids_arr[sel].astype(np.uint64)]))
         return int(sel.sum())
+
+    @property
+    def seed(self) -> Optional[np.ndarray]:
+        """uint64[3, m]: the two hashes and the id of every seeded piece (to cache; see ``set_seed``)."""
+        if self._seed is None:
+            return None
+        k1, k2, ids = self._seed
+        return np.stack([k1, k2, ids.astype(np.uint64)])
+
+    def set_seed(self, seed: np.ndarray) -> None:
+        """Install seeded pieces computed earlier by ``seed_single_tokens`` (``seed`` property)."""
+        self._seed = (np.array(seed[0]), np.array(seed[1]), np.asarray(seed[2]).astype(np.int64))
+        self._reset()
 
     def encode_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
         """(ids of all texts back to back (int64), number of ids of each text (int64))."""

@@ -139,15 +139,40 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         go to ``tiktoken``'s compiled BPE when it is installed (optional) and else to the Hugging Face model.
         """
         if self._fast is None:
-            from megatron.core.tokenizer import gpt2_fast
-
-            vocab, merges = self._vocab, gpt2_fast.read_merges(self._merge_file)
-            tk = gpt2_fast.tiktoken_piece_encoder(vocab, merges)
-            self._fast = gpt2_fast.FastGPT2Encoder(lambda: self._tok, fallback=self,
-                                                   piece_encoder=None if tk is None else tk.encode)
-            if tk is not None:  # tiktoken's rule: a piece equal to a token is that token
-                self._fast.seed_single_tokens(*gpt2_fast.single_token_pieces(tk.ranks))
+            self._fast = self._build_fast()
         return self._fast.encode_batch_flat(texts)
+
+    def _build_fast(self):
+        """The bulk encoder; with tiktoken, its checked ranks and seeded pieces come from ``gpt2_cache``."""
+        from megatron.core.tokenizer import gpt2_cache, gpt2_fast
+
+        tk, seed = None, None
+        key = None
+        if os.environ.get("MEGATRON_NO_TIKTOKEN", "0") in ("", "0"):
+            try:
+                import tiktoken
+
+                key = gpt2_cache.files_key(self._vocab_file, self._merge_file, extra=f"tiktoken {tiktoken.__version__}")
+            except (ImportError, OSError):
+                key = None
+        if key is not None:
+            packed, seed = gpt2_cache.load(f"gpt2_ranks_{key}"), gpt2_cache.load(f"gpt2_seed_{key}")
+            if packed is not None and seed is not None and seed.ndim == 2 and seed.shape[0] == 3:
+                tk = gpt2_fast.tiktoken_from_ranks(gpt2_cache.unpack_ranks(packed))
+        if tk is None:
+            tk = gpt2_fast.tiktoken_piece_encoder(self._vocab, gpt2_fast.read_merges(self._merge_file))
+            seed = None
+        fast = gpt2_fast.FastGPT2Encoder(lambda: self._tok, fallback=self,
+                                         piece_encoder=None if tk is None else tk.encode)
+        if tk is not None:  # tiktoken's rule: a piece equal to a token is that token
+            if seed is not None:
+                fast.set_seed(seed)
+            else:
+                fast.seed_single_tokens(*gpt2_fast.single_token_pieces(tk.ranks))
+                if key is not None:
+                    gpt2_cache.save(f"gpt2_ranks_{key}", gpt2_cache.pack_ranks(tk.ranks))
+                    gpt2_cache.save(f"gpt2_seed_{key}", fast.seed)
+        return fast
 
 
 class BertWordPieceTokenizer(_HFBackedTokenizer):
