@@ -288,6 +288,8 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
     summary = {"iteration": trainer.iteration}
     if not args.skip_train and trainer.iteration < args.train_iters:
         result = trainer.run(start_time)
+        for chunk in model:  # --overlap-param-gather leaves the last all-gathers in flight
+            chunk.finish_param_sync()
         summary.update(result)
         summary["iteration"] = trainer.iteration
         if result["exited"]:

@@ -25,7 +25,8 @@ def test_pipeline_parallel(data_prefix, baseline, pp, vpp):
 @pytest.mark.parametrize("nproc,extra", [
     (2, {}),
     (4, {"use_distributed_optimizer": True}),
-    (2, {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 20000}),
+    (2, {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 20000,
+         "overlap_param_gather": True}),
     (4, {"overlap_grad_reduce": True, "ddp_bucket_size": 5000}),
     (4, {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}),
     (4, {"pipeline_model_parallel_size": 2, "use_distributed_optimizer": True, "overlap_grad_reduce": True}),
