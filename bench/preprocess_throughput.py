@@ -33,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
@@ -118,6 +119,90 @@ def run_baseline(src: str, prefix: str, workers: int) -> float:
     return time.time() - t0
 
 
+def profile_stages(src: str, workers: int) -> dict:
+    """CPU seconds per stage of one worker's share of ``src`` (every ``workers``-th byte range, as when the
+    workers keep pace), run in this process the way a worker runs it, plus the parent's start-up, the
+    transfer of the results (pickling, as the pool does) and the writing of the .bin/.idx."""
+    import pickle
+
+    import numpy as np
+
+    from megatron.core.datasets import preprocessing as P
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.tokenizer import build_tokenizer
+
+    pt = time.process_time
+    res = {}
+    cfg = P.PreprocessConfig(input=src, output_prefix="/tmp/bench_profile", tokenizer_type="GPT2BPETokenizer",
+                             vocab_file=os.path.join(ROOT, "data", "gpt2-vocab.json"),
+                             merge_file=os.path.join(ROOT, "data", "gpt2-merges.txt"), append_eod=True,
+                             workers=workers, quiet=True)
+    t = pt()
+    tok = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
+    res["parent start-up: tokenizer (vocab.json)"] = pt() - t
+    t = pt()
+    P._init_worker(cfg, tok)
+    P._warm_up(tok)
+    res["parent start-up: bulk encoder (cached tables, tiktoken)"] = pt() - t
+    stages = {"read lines": 0.0, "parse JSON, check values": 0.0, "EOD, lengths, dtype": 0.0}
+    real = {name: getattr(P, name) for name in ("_read_lines", "_parse", "_assemble")}
+
+    def timed(name, stage):
+        def f(*a, **k):
+            t0 = pt()
+            try:
+                return real[name](*a, **k)
+            finally:
+                stages[stage] += pt() - t0
+        return f
+
+    def read_lines(*a):
+        it = real["_read_lines"](*a)
+        while True:
+            t0 = pt()
+            try:
+                lines = next(it)
+            except StopIteration:
+                return
+            finally:
+                stages["read lines"] += pt() - t0
+            yield lines
+
+    P._parse, P._assemble, P._read_lines = timed("_parse", "parse JSON, check values"), \
+        timed("_assemble", "EOD, lengths, dtype"), read_lines
+    tok._fast.timings = {}
+    share = P._line_ranges(src, workers)[::workers]
+    results, t = [], pt()
+    try:
+        for r in share:
+            results.append(P.encode_range(r))
+    finally:
+        P._parse, P._assemble, P._read_lines = real["_parse"], real["_assemble"], real["_read_lines"]
+    total = pt() - t
+    fast = dict(tok._fast.timings)
+    tok._fast.timings = None
+    new_pieces = int(fast.pop("new pieces", 0))
+    res.update({f"worker: {k}": v for k, v in stages.items()})
+    res.update({f"worker: tokenise: {k}": v for k, v in fast.items()})
+    res["worker: other (per-document checks, batching)"] = total - sum(stages.values()) - sum(fast.values())
+    res["worker: total for its share"] = total
+    t = pt()
+    blobs = [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in results]
+    back = [pickle.loads(b) for b in blobs]
+    res["transfer: pickle + unpickle the results"] = pt() - t
+    t = pt()
+    builder = IndexedDatasetBuilder("/tmp/bench_profile.bin", np.uint16)
+    for out in back:
+        builder.add_documents(*out[0]["text"])
+    builder.finalize("/tmp/bench_profile.idx")
+    res["parent: write .bin/.idx (this share)"] = pt() - t
+    res = {k: round(v, 4) for k, v in res.items()}
+    res["new pieces BPE-encoded by this worker"] = new_pieces
+    res["share of the input, MB"] = round(sum(b - a for _, a, b in share) / 1e6, 2)
+    res["result bytes transferred"] = sum(map(len, blobs))
+    return res
+
+
 def _uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
@@ -162,6 +247,8 @@ def main() -> int:
     ap.add_argument("--large", type=int, default=0, metavar="K",
                     help="also time one run on the input repeated K times (a bound for large corpora, where "
                          "the share of pieces never seen before falls)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also measure the CPU time of every stage for one worker's share (in this process)")
     ap.add_argument("--cpus", default=None,
                     help="pin every process to these CPUs (e.g. 0,1), or 'two-cores': two CPUs on distinct cores")
     a = ap.parse_args()
@@ -197,8 +284,13 @@ def main() -> int:
     startup_cmd = list(cmd)
     startup_cmd[startup_cmd.index("--input") + 1] = one
     startup_cmd[startup_cmd.index("--output-prefix") + 1] = "/tmp/bench_one"
-    startup = _time_runs(startup_cmd, 3, label="start-up (one document)")
+    startup = _time_runs(startup_cmd, 3, label="start-up (one document)")  # the first one fills the cache
 
+    # The first run on a machine also builds the tokenizer-derived cache (megatron/core/tokenizer/gpt2_cache.py):
+    # timed once with an empty cache folder; the start-up runs above and the repeats below use the cache.
+    with tempfile.TemporaryDirectory() as empty:
+        cold = _time_runs(cmd, 1, env=dict(os.environ, XDG_CACHE_HOME=empty), check_files=outputs,
+                          label="ours, empty tokenizer cache")[0]
     walls = _time_runs(cmd, a.repeats, check_files=outputs)
     no_tk = None
     if a.compare_no_tiktoken:
@@ -229,6 +321,11 @@ def main() -> int:
             print(f"Megatron-LM procedure: {bl[-1]:.2f} s = {mb / bl[-1]:.2f} MB/s, .bin identical {same} "
                   f"(load {_load()})", flush=True)
         baseline = _median(bl)
+    profile = None
+    if a.profile:
+        profile = profile_stages(src, a.workers)
+        for k, v in profile.items():
+            print(f"profile: {k}: {v}", flush=True)
     uptime_after = _uptime()
     print(uptime_after, flush=True)
     med = _median(walls)
@@ -242,6 +339,7 @@ def main() -> int:
         "command": " ".join(["python"] + cmd[1:]), "input_mb": round(mb, 2), "workers": a.workers,
         "startup_seconds": [round(w, 3) for w in startup],
         "wall_seconds": [round(w, 3) for w in walls],
+        "empty_cache_seconds": round(cold, 3), "empty_cache_mbs": round(mb / cold, 2),
         "ours_mbs_best": round(mb / min(walls), 2), "ours_mbs_median": round(mb / med, 2),
         "no_tiktoken_wall_seconds": None if no_tk is None else [round(w, 3) for w in no_tk],
         "no_tiktoken_mbs_median": None if no_tk is None else round(mb / _median(no_tk), 2),
@@ -251,6 +349,7 @@ def main() -> int:
         "megatron_quoted_mbs": MEGATRON_QUOTED_MBS,
         "byte_identical_to_megatron": True,  # checked after every run above (a difference stops the bench)
         "large_repeated_input": large,
+        "profile_cpu_seconds": profile,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.results)), exist_ok=True)
     with open(a.results + ".json", "w") as f:
@@ -281,6 +380,8 @@ def _markdown(r: dict) -> str:
         f"| ours, median of {len(r['wall_seconds'])} runs (wall incl. start-up and exit: {r['wall_seconds']} s) | "
         f"{r['ours_mbs_median']} | {r['ours_mbs_median'] / q:.1f}x the quoted {q} MB/s |",
         f"| ours, best run | {r['ours_mbs_best']} | {r['ours_mbs_best'] / q:.1f}x |",
+        f"| ours, first run on the machine (empty tokenizer cache: {r['empty_cache_seconds']} s) | "
+        f"{r['empty_cache_mbs']} | {r['empty_cache_mbs'] / q:.1f}x |",
     ]
     if r.get("no_tiktoken_mbs_median"):
         lines.append(f"| ours with MEGATRON_NO_TIKTOKEN=1, median ({r['no_tiktoken_wall_seconds']} s) | "
@@ -292,8 +393,12 @@ def _markdown(r: dict) -> str:
         g = r["large_repeated_input"]
         lines.append(f"| ours on prose.jsonl repeated {g['copies']} times ({g['mb']} MB, one run) | {g['mbs']} | "
                      f"{g['mbs'] / q:.1f}x |")
+    if r.get("profile_cpu_seconds"):
+        lines += ["", "CPU seconds per stage (`--profile`: one worker's share, run in one process, cache warm):", "",
+                  "| stage | CPU s |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in r["profile_cpu_seconds"].items()]
     lines += ["", "Reproduce: `python bench/preprocess_throughput.py --baseline --compare-no-tiktoken --large 4 "
-              "--cpus two-cores --results PREFIX`", ""]
+              "--profile --cpus two-cores --results PREFIX`", ""]
     return "\n".join(lines)
 
 

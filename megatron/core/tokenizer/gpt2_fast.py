@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -298,10 +299,16 @@ class _HashTable:
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Row of every key, -1 where absent."""
-        out = np.full(keys.size, -1, dtype=np.int64)
         mask = (1 << self.bits) - 1
-        active = np.arange(keys.size)
         slot = self._slots(keys)
+        # First probe for every key on whole arrays (most keys end here), then only the ones still probing.
+        tk = self.keys[slot]
+        hit = tk == keys
+        out = self.rows[slot]
+        out[~hit] = -1
+        go_on = ~hit & (tk != 0)
+        active = np.flatnonzero(go_on)
+        slot = (slot[active] + 1) & mask
         while active.size:
             tk = self.keys[slot]
             want = keys[active]
@@ -361,7 +368,16 @@ class FastGPT2Encoder:
         self._max_cache_tokens = max_cache_tokens
         self._pw1, self._pw2 = _Powers(_P1), _Powers(_P2)
         self._seed: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+        self.timings: Optional[Dict[str, float]] = None  # set to {} to collect CPU seconds per stage (bench)
         self._reset()
+
+    def _tick(self, stage: str, t0: float) -> float:
+        """Add the CPU time since ``t0`` to ``timings[stage]`` when collecting; returns the time now."""
+        if self.timings is None:
+            return 0.0
+        t = time.process_time()
+        self.timings[stage] = self.timings.get(stage, 0.0) + t - t0
+        return t
 
     def _reset(self) -> None:
         self._table = _HashTable()
@@ -421,6 +437,7 @@ class FastGPT2Encoder:
         """(ids of all texts back to back (int64), number of ids of each text (int64))."""
         if not texts:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        t0 = time.process_time() if self.timings is not None else 0.0
         tlen = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
         tstart = np.zeros(len(texts) + 1, dtype=np.int64)
         np.cumsum(tlen, out=tstart[1:])
@@ -435,11 +452,14 @@ class FastGPT2Encoder:
         ends[:-1] = starts[1:]
         if ends.size:
             ends[-1] = n
+        t0 = self._tick("pre-tokenise (code points, classes, piece starts)", t0)
         cp64 = cp.astype(np.uint64)
         k1 = _piece_hashes(cp64, starts, ends, self._pw1)
         k1[k1 == 0] = 1  # 0 marks empty slots of the table (k2 still tells such pieces apart)
         k2 = _piece_hashes(cp64, starts, ends, self._pw2)
+        t0 = self._tick("hash pieces", t0)
         row = self._lookup(big, starts, ends, k1, k2)
+        t0 = self._tick("look up pieces (new ones: see BPE)", t0)
         if row is None:  # a hash collision: take the slow exact path for this batch
             lists = self._fallback.tokenize_batch(list(texts))
             lens = np.array([len(x) for x in lists], dtype=np.int64)
@@ -451,13 +471,14 @@ class FastGPT2Encoder:
         gather = np.repeat(self._off[row] - pcum[:-1], plen) + np.arange(int(pcum[-1]), dtype=np.int64)
         flat = self._ids[gather]
         first_piece = np.searchsorted(starts, tstart)  # [texts + 1]
+        self._tick("gather ids", t0)
         return flat, pcum[first_piece[1:]] - pcum[first_piece[:-1]]
 
     def _lookup(self, big, starts, ends, k1, k2) -> Optional[np.ndarray]:
         """Cache row of every piece occurrence, adding unseen pieces; None on a hash collision."""
         row = self._table.find(k1)
         found = row >= 0
-        if np.any(self._k2[row[found]] != k2[found]):
+        if self._k2.size and np.any((self._k2[row] != k2) & found):  # (row -1 reads a row that is masked)
             return None
         if found.all():
             return row
@@ -469,6 +490,7 @@ class FastGPT2Encoder:
         if self._ids.size > self._max_cache_tokens:
             self._reset()
             return self._lookup(big, starts, ends, k1, k2)
+        t0 = time.process_time() if self.timings is not None else 0.0
         s, e = starts[first].tolist(), ends[first].tolist()
         if self._piece_encoder is not None:  # compiled BPE on the UTF-8 bytes of each new piece
             enc = self._piece_encoder
@@ -484,6 +506,11 @@ class FastGPT2Encoder:
             new_len = np.fromiter(map(len, per_piece), dtype=np.int64, count=len(per_piece))
             new_ids = np.fromiter((t.id for toks in per_piece for t in toks), dtype=np.int64,
                                   count=int(new_len.sum()))
+        t1 = self._tick("BPE of new pieces", t0)
+        if self.timings is not None:  # not part of the lookup stage
+            self.timings["look up pieces (new ones: see BPE)"] = \
+                self.timings.get("look up pieces (new ones: see BPE)", 0.0) - (t1 - t0)
+            self.timings["new pieces"] = self.timings.get("new pieces", 0) + len(s)
         new_off = self._ids.size + np.concatenate([[0], np.cumsum(new_len)[:-1]]).astype(np.int64)
         new_rows = self._len.size + np.arange(uk.size, dtype=np.int64)
         self._table.insert(uk, new_rows)
