@@ -230,6 +230,7 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
 
 _P1 = np.uint64(0x9E3779B97F4A7C15)
 _P2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_LEN_MUL = 0x100000001B3  # the length term of the piece hashes
 
 
 def _inverse_mod_2_64(p: int) -> int:
@@ -278,7 +279,7 @@ def _piece_hashes(cp64: np.ndarray, starts: np.ndarray, ends: np.ndarray, powers
         h = pref[ends]
         h -= pref[starts]
         h *= ipw[starts]  # [pieces]
-        h += (ends - starts).astype(np.uint64) * np.uint64(0x100000001B3)
+        h += (ends - starts).astype(np.uint64) * np.uint64(_LEN_MUL)
         return h
 
 
@@ -369,6 +370,9 @@ class FastGPT2Encoder:
         self._pw1, self._pw2 = _Powers(_P1), _Powers(_P2)
         self._seed: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self.timings: Optional[Dict[str, float]] = None  # set to {} to collect CPU seconds per stage (bench)
+        from megatron.core.tokenizer import gpt2_native
+
+        self._native = gpt2_native.load()  # the C hash-and-probe loop, or None (NumPy)
         self._reset()
 
     def _tick(self, stage: str, t0: float) -> float:
@@ -453,12 +457,21 @@ class FastGPT2Encoder:
         if ends.size:
             ends[-1] = n
         t0 = self._tick("pre-tokenise (code points, classes, piece starts)", t0)
-        cp64 = cp.astype(np.uint64)
-        k1 = _piece_hashes(cp64, starts, ends, self._pw1)
-        k1[k1 == 0] = 1  # 0 marks empty slots of the table (k2 still tells such pieces apart)
-        k2 = _piece_hashes(cp64, starts, ends, self._pw2)
-        t0 = self._tick("hash pieces", t0)
-        row = self._lookup(big, starts, ends, k1, k2)
+        if self._native is not None:  # hashes and table probes in one C pass (same values)
+            from megatron.core.tokenizer.gpt2_native import hash_find
+
+            tb = self._table
+            k1, k2, found_rows, bad = hash_find(self._native, cp, starts, ends, int(_P1), int(_P2), _LEN_MUL,
+                                                int(tb._MIX), tb.keys, tb.rows, self._k2, tb.bits)
+            t0 = self._tick("hash and look up pieces (C)", t0)
+            row = None if bad else self._lookup(big, starts, ends, k1, k2, found_rows)
+        else:
+            cp64 = cp.astype(np.uint64)
+            k1 = _piece_hashes(cp64, starts, ends, self._pw1)
+            k1[k1 == 0] = 1  # 0 marks empty slots of the table (k2 still tells such pieces apart)
+            k2 = _piece_hashes(cp64, starts, ends, self._pw2)
+            t0 = self._tick("hash pieces", t0)
+            row = self._lookup(big, starts, ends, k1, k2)
         t0 = self._tick("look up pieces (new ones: see BPE)", t0)
         if row is None:  # a hash collision: take the slow exact path for this batch
             lists = self._fallback.tokenize_batch(list(texts))
@@ -468,18 +481,27 @@ class FastGPT2Encoder:
         plen = self._len[row]  # ids per piece occurrence
         pcum = np.zeros(plen.size + 1, dtype=np.int64)
         np.cumsum(plen, out=pcum[1:])
-        gather = np.repeat(self._off[row] - pcum[:-1], plen) + np.arange(int(pcum[-1]), dtype=np.int64)
-        flat = self._ids[gather]
+        if self._native is not None:
+            from megatron.core.tokenizer.gpt2_native import gather_ids
+
+            flat = gather_ids(self._native, row, int(pcum[-1]), self._off, self._len, self._ids)
+        else:
+            gather = np.repeat(self._off[row] - pcum[:-1], plen) + np.arange(int(pcum[-1]), dtype=np.int64)
+            flat = self._ids[gather]
         first_piece = np.searchsorted(starts, tstart)  # [texts + 1]
         self._tick("gather ids", t0)
         return flat, pcum[first_piece[1:]] - pcum[first_piece[:-1]]
 
-    def _lookup(self, big, starts, ends, k1, k2) -> Optional[np.ndarray]:
-        """Cache row of every piece occurrence, adding unseen pieces; None on a hash collision."""
-        row = self._table.find(k1)
-        found = row >= 0
-        if self._k2.size and np.any((self._k2[row] != k2) & found):  # (row -1 reads a row that is masked)
-            return None
+    def _lookup(self, big, starts, ends, k1, k2, row=None) -> Optional[np.ndarray]:
+        """Cache row of every piece occurrence, adding unseen pieces; None on a hash collision. ``row``: the
+        rows already found (-1 where absent), collisions checked, by the C loop."""
+        if row is None:
+            row = self._table.find(k1)
+            found = row >= 0
+            if self._k2.size and np.any((self._k2[row] != k2) & found):  # (row -1 reads a masked row)
+                return None
+        else:
+            found = row >= 0
         if found.all():
             return row
         miss = np.flatnonzero(~found)
@@ -489,7 +511,7 @@ class FastGPT2Encoder:
             return None
         if self._ids.size > self._max_cache_tokens:
             self._reset()
-            return self._lookup(big, starts, ends, k1, k2)
+            return self._lookup(big, starts, ends, k1, k2)  # probes the fresh table again
         t0 = time.process_time() if self.timings is not None else 0.0
         s, e = starts[first].tolist(), ends[first].tolist()
         if self._piece_encoder is not None:  # compiled BPE on the UTF-8 bytes of each new piece

@@ -180,3 +180,54 @@ def test_bulk_encoder_same_ids_with_and_without_tiktoken(monkeypatch):
             flat, lens = tok.tokenize_batch_flat(texts)
             assert lens.tolist() == [len(w) for w in want]
             assert flat.tolist() == [i for w in want for i in w]
+
+
+def test_c_loops_equal_the_numpy_path():
+    """The C hash-and-probe and gather loops give the NumPy path's hashes, rows and ids (when a compiler exists)."""
+    import random
+
+    import numpy as np
+
+    from megatron.core.tokenizer import gpt2_fast, gpt2_native
+
+    lib = gpt2_native.load()
+    if lib is None:
+        pytest.skip("no C compiler (or MEGATRON_NO_C_HELPERS=1): the NumPy path is the only one")
+    rng = random.Random(3)
+    alphabet = ["a", "b", " the", "'s", " ", "\n\n", "1", "é", "日本", "🙂", ".", "word", "  x"]
+    texts = _real_texts(20) + ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(300)]
+    outs = []
+    for native in (True, False):
+        tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+        tok.tokenize_batch_flat([])
+        if not native:
+            tok._fast._native = None
+        outs.append([tok.tokenize_batch_flat(texts[i::3]) for i in range(3)] +
+                    [tok.tokenize_batch_flat(texts)])  # the last batch is served from the cache
+    for (fa, la), (fb, lb) in zip(*outs):
+        assert np.array_equal(fa, fb) and np.array_equal(la, lb)
+    # the hashes themselves, and the rows found in a table holding some of the pieces
+    big = "".join(texts)
+    cp = np.frombuffer(big.encode("utf-32-le"), dtype=np.uint32)
+    ts = np.zeros(cp.size, dtype=bool)
+    ts[0] = True
+    starts = gpt2_fast.piece_starts(cp, ts)
+    ends = np.append(starts[1:], cp.size)
+    enc = gpt2_fast.FastGPT2Encoder(None, None)
+    cp64 = cp.astype(np.uint64)
+    k1 = gpt2_fast._piece_hashes(cp64, starts, ends, enc._pw1)
+    k1[k1 == 0] = 1
+    k2 = gpt2_fast._piece_hashes(cp64, starts, ends, enc._pw2)
+    keys = np.unique(k1)[::2]
+    table = gpt2_fast._HashTable()
+    table.insert(keys, np.arange(keys.size))
+    row_k2 = np.zeros(keys.size, dtype=np.uint64)
+    row_k2[table.find(k1)[table.find(k1) >= 0]] = k2[table.find(k1) >= 0]
+    c1, c2, rows, bad = gpt2_native.hash_find(lib, cp, starts, ends, int(gpt2_fast._P1), int(gpt2_fast._P2),
+                                              gpt2_fast._LEN_MUL, int(table._MIX), table.keys, table.rows, row_k2,
+                                              table.bits)
+    assert np.array_equal(c1, k1) and np.array_equal(c2, k2) and bad == 0
+    assert np.array_equal(rows, table.find(k1)) and (rows >= 0).any() and (rows < 0).any()
+    row_k2[0] += 1  # a stored second hash that differs: reported as a collision
+    assert gpt2_native.hash_find(lib, cp, starts, ends, int(gpt2_fast._P1), int(gpt2_fast._P2), gpt2_fast._LEN_MUL,
+                                 int(table._MIX), table.keys, table.rows, row_k2, table.bits)[3] > 0
