@@ -121,12 +121,13 @@ def _gpt2_files():
         return json.load(f), read_merges(GPT2_MERGES)
 
 
-def test_tiktoken_bpe_equals_the_merges_bpe():
+def test_tiktoken_bpe_equals_the_merges_bpe(monkeypatch):
     """tiktoken's rule (lowest-id merge) gives GPT-2's ids (merges.txt order) on every vocabulary token and on
     adversarial pieces: random concatenations of whole and cut tokens, where the two rules could part."""
     import random
 
     pytest.importorskip("tiktoken")
+    monkeypatch.delenv("MEGATRON_NO_TIKTOKEN", raising=False)
     from megatron.core.tokenizer.gpt2_fast import byte_to_char_table, tiktoken_piece_encoder
 
     vocab, merges = _gpt2_files()
@@ -152,6 +153,7 @@ def test_tiktoken_bpe_equals_the_merges_bpe():
 
 def test_tiktoken_refused_when_the_files_disagree_with_its_rule(monkeypatch):
     pytest.importorskip("tiktoken")
+    monkeypatch.delenv("MEGATRON_NO_TIKTOKEN", raising=False)
     from megatron.core.tokenizer.gpt2_fast import tiktoken_piece_encoder
 
     vocab, merges = _gpt2_files()
