@@ -347,6 +347,17 @@ class _HashTable:
             slot[moved] = (slot[moved] + 1) & mask
 
 
+def _append(arr: np.ndarray, used: int, values: np.ndarray) -> np.ndarray:
+    """Write ``values`` after the first ``used`` entries of ``arr``, doubling its capacity when needed."""
+    need = used + values.size
+    if need > arr.size:
+        grown = np.empty(max(need, 2 * arr.size, 1024), dtype=arr.dtype)
+        grown[:used] = arr[:used]
+        arr = grown
+    arr[used:need] = values
+    return arr
+
+
 class FastGPT2Encoder:
     """Exact GPT-2 ids for many texts at once, without a per-piece Python loop.
 
@@ -385,15 +396,19 @@ class FastGPT2Encoder:
 
     def _reset(self) -> None:
         self._table = _HashTable()
-        self._k2 = np.zeros(0, dtype=np.uint64)  # per cache row
+        # Per cache row: second hash, offset and number of its ids in _ids. Arrays grow by doubling; only
+        # the first _nrows rows and _nids ids are in use.
+        self._k2 = np.zeros(0, dtype=np.uint64)
         self._off = np.zeros(0, dtype=np.int64)
         self._len = np.zeros(0, dtype=np.int64)
         self._ids = np.zeros(0, dtype=np.int64)
+        self._nrows = self._nids = 0
         if self._seed is not None:  # seeded pieces survive cache resets
             k1, k2, ids = self._seed
             self._table.insert(k1, np.arange(k1.size, dtype=np.int64))
-            self._k2, self._ids = k2, ids
+            self._k2, self._ids = k2.copy(), ids.copy()
             self._off, self._len = np.arange(k1.size, dtype=np.int64), np.ones(k1.size, dtype=np.int64)
+            self._nrows = self._nids = k1.size
 
     def reserve(self, max_chars: int) -> None:
         """Build the hashing tables for batches of up to ``max_chars`` code points now (e.g. before forking
@@ -509,7 +524,7 @@ class FastGPT2Encoder:
         first = miss[first]  # an occurrence of every unseen piece
         if np.any(k2[miss] != k2[first][inv]):
             return None
-        if self._ids.size > self._max_cache_tokens:
+        if self._nids > self._max_cache_tokens:
             self._reset()
             return self._lookup(big, starts, ends, k1, k2)  # probes the fresh table again
         t0 = time.process_time() if self.timings is not None else 0.0
@@ -533,12 +548,14 @@ class FastGPT2Encoder:
             self.timings["look up pieces (new ones: see BPE)"] = \
                 self.timings.get("look up pieces (new ones: see BPE)", 0.0) - (t1 - t0)
             self.timings["new pieces"] = self.timings.get("new pieces", 0) + len(s)
-        new_off = self._ids.size + np.concatenate([[0], np.cumsum(new_len)[:-1]]).astype(np.int64)
-        new_rows = self._len.size + np.arange(uk.size, dtype=np.int64)
+        r0, i0 = self._nrows, self._nids
+        new_off = i0 + np.concatenate([[0], np.cumsum(new_len)[:-1]]).astype(np.int64)
+        new_rows = r0 + np.arange(uk.size, dtype=np.int64)
         self._table.insert(uk, new_rows)
-        self._k2 = np.concatenate([self._k2, k2[first]])
-        self._off = np.concatenate([self._off, new_off])
-        self._len = np.concatenate([self._len, new_len])
-        self._ids = np.concatenate([self._ids, new_ids])
+        self._k2 = _append(self._k2, r0, k2[first])
+        self._off = _append(self._off, r0, new_off)
+        self._len = _append(self._len, r0, new_len)
+        self._ids = _append(self._ids, i0, new_ids)
+        self._nrows, self._nids = r0 + uk.size, i0 + new_ids.size
         row[miss] = new_rows[inv]
         return row

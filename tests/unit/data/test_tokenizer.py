@@ -233,3 +233,18 @@ def test_c_loops_equal_the_numpy_path():
     row_k2[0] += 1  # a stored second hash that differs: reported as a collision
     assert gpt2_native.hash_find(lib, cp, starts, ends, int(gpt2_fast._P1), int(gpt2_fast._P2), gpt2_fast._LEN_MUL,
                                  int(table._MIX), table.keys, table.rows, row_k2, table.bits)[3] > 0
+
+
+def test_bulk_encoder_cache_reset_keeps_ids_exact():
+    """A piece cache over its size limit starts again from the seeded vocabulary; ids stay exact."""
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+    texts = _real_texts(40)
+    tok.tokenize_batch_flat(texts[:5])
+    tok._fast._max_cache_tokens = tok._fast._nids + 300  # a few batches in, the cache is reset
+    sizes = []
+    for k in range(0, len(texts), 5):
+        flat, lens = tok.tokenize_batch_flat(texts[k:k + 5])
+        assert flat.tolist() == [i for t in texts[k:k + 5] for i in tok.tokenize(t)]
+        assert lens.tolist() == [len(tok.tokenize(t)) for t in texts[k:k + 5]]
+        sizes.append(tok._fast._nids)
+    assert any(b < a for a, b in zip(sizes, sizes[1:]))  # it was reset at least once
