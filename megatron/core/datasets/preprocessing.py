@@ -182,7 +182,7 @@ def encode_batch(job: Tuple[int, List[bytes]]):
     # Lone surrogates (possible through JSON escapes) cannot be tokenized: report the line.
     good = []
     for ln, per_key in docs:
-        if all(_valid_unicode(t) for texts in per_key for t in texts):
+        if all(t.isascii() or _valid_unicode(t) for texts in per_key for t in texts):  # isascii: O(1)
             good.append((ln, per_key))
         else:
             bad.append(BadLine(ln, "text is not valid Unicode (lone surrogate escape)"))
