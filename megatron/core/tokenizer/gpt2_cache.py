@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-FORMAT = 1  # bump when what is stored, or how it is computed, changes
+FORMAT = 2  # bump when what is stored, or how it is computed, changes
 
 
 def cache_dir() -> str:
@@ -54,6 +54,27 @@ def save(name: str, array: np.ndarray) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def hash_bases() -> Tuple[int, int]:
+    """The two odd 64-bit bases of the piece hashes: random, drawn once per machine and user and kept here.
+
+    Polynomial hashes modulo 2**64 with known bases can be made to collide on purpose (lattice reduction
+    finds such strings), and a collision of both hashes would give a piece another piece's ids: secret bases
+    take that away. (Collisions that work for every base need pieces far longer than the encoder caches.)
+    Where the cache folder is not writable, the bases are drawn afresh for every process.
+    """
+    global _BASES
+    if _BASES is None:
+        arr = load("gpt2_hash_bases")
+        if arr is None or arr.shape != (2,) or arr.dtype != np.uint64 or not all(int(x) & 1 for x in arr):
+            arr = np.frombuffer(os.urandom(16), dtype=np.uint64) | np.uint64(1)
+            save("gpt2_hash_bases", arr)
+        _BASES = (int(arr[0]), int(arr[1]))
+    return _BASES
+
+
+_BASES: Optional[Tuple[int, int]] = None
 
 
 def pack_ranks(ranks: Dict[bytes, int]) -> np.ndarray:

@@ -228,9 +228,11 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
             if line.strip() and not line.startswith("#version")]
 
 
-_P1 = np.uint64(0x9E3779B97F4A7C15)
-_P2 = np.uint64(0xC2B2AE3D27D4EB4F)
 _LEN_MUL = 0x100000001B3  # the length term of the piece hashes
+# Longer pieces are never cached: each occurrence is BPE-encoded. Strings that make polynomial hashes modulo
+# 2**64 collide whatever the base (Thue-Morse sequences) need lengths around a thousand; natural text has
+# hardly any piece this long.
+MAX_CACHED_PIECE = 64
 
 
 def _inverse_mod_2_64(p: int) -> int:
@@ -378,7 +380,10 @@ class FastGPT2Encoder:
         self._byte_chars = byte_to_char_table()
         self._fallback = fallback
         self._max_cache_tokens = max_cache_tokens
-        self._pw1, self._pw2 = _Powers(_P1), _Powers(_P2)
+        from megatron.core.tokenizer.gpt2_cache import hash_bases
+
+        self._p1, self._p2 = hash_bases()  # secret random odd bases (see hash_bases)
+        self._pw1, self._pw2 = _Powers(np.uint64(self._p1)), _Powers(np.uint64(self._p2))
         self._seed: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self.timings: Optional[Dict[str, float]] = None  # set to {} to collect CPU seconds per stage (bench)
         from megatron.core.tokenizer import gpt2_native
@@ -435,7 +440,7 @@ class FastGPT2Encoder:
         k1[k1 == 0] = 1
         k2 = _piece_hashes(cp64, tstart[:-1], tstart[1:], self._pw2)
         _, inv, counts = np.unique(k1, return_inverse=True, return_counts=True)
-        sel = one_piece & (counts[inv] == 1)
+        sel = one_piece & (counts[inv] == 1) & (tlen <= MAX_CACHED_PIECE)
         self.set_seed(np.stack([k1[sel], k2[sel], ids_arr[sel].astype(np.uint64)]))
         return int(sel.sum())
 
@@ -476,7 +481,7 @@ class FastGPT2Encoder:
             from megatron.core.tokenizer.gpt2_native import hash_find
 
             tb = self._table
-            k1, k2, found_rows, bad = hash_find(self._native, cp, starts, ends, int(_P1), int(_P2), _LEN_MUL,
+            k1, k2, found_rows, bad = hash_find(self._native, cp, starts, ends, self._p1, self._p2, _LEN_MUL,
                                                 int(tb._MIX), tb.keys, tb.rows, self._k2, tb.bits)
             t0 = self._tick("hash and look up pieces (C)", t0)
             row = None if bad else self._lookup(big, starts, ends, k1, k2, found_rows)
@@ -517,9 +522,15 @@ class FastGPT2Encoder:
                 return None
         else:
             found = row >= 0
+        long = (ends - starts) > MAX_CACHED_PIECE  # [pieces] never looked up, never entered
+        if long.any():
+            found = found & ~long
+            row = np.where(long, -1, row)
         if found.all():
             return row
         miss = np.flatnonzero(~found)
+        long_miss = miss[long[miss]]  # every occurrence is encoded
+        miss = miss[~long[miss]]
         uk, first, inv = np.unique(k1[miss], return_index=True, return_inverse=True)
         first = miss[first]  # an occurrence of every unseen piece
         if np.any(k2[miss] != k2[first][inv]):
@@ -528,6 +539,7 @@ class FastGPT2Encoder:
             self._reset()
             return self._lookup(big, starts, ends, k1, k2)  # probes the fresh table again
         t0 = time.process_time() if self.timings is not None else 0.0
+        first = np.concatenate([first, long_miss])  # what gets BPE-encoded: new short pieces, long pieces
         s, e = starts[first].tolist(), ends[first].tolist()
         if self._piece_encoder is not None:  # compiled BPE on the UTF-8 bytes of each new piece
             enc = self._piece_encoder
@@ -550,12 +562,13 @@ class FastGPT2Encoder:
             self.timings["new pieces"] = self.timings.get("new pieces", 0) + len(s)
         r0, i0 = self._nrows, self._nids
         new_off = i0 + np.concatenate([[0], np.cumsum(new_len)[:-1]]).astype(np.int64)
-        new_rows = r0 + np.arange(uk.size, dtype=np.int64)
-        self._table.insert(uk, new_rows)
+        new_rows = r0 + np.arange(first.size, dtype=np.int64)
+        self._table.insert(uk, new_rows[: uk.size])  # long pieces get rows but stay out of the table
         self._k2 = _append(self._k2, r0, k2[first])
         self._off = _append(self._off, r0, new_off)
         self._len = _append(self._len, r0, new_len)
         self._ids = _append(self._ids, i0, new_ids)
-        self._nrows, self._nids = r0 + uk.size, i0 + new_ids.size
+        self._nrows, self._nids = r0 + first.size, i0 + new_ids.size
         row[miss] = new_rows[inv]
+        row[long_miss] = new_rows[uk.size:]
         return row

@@ -152,7 +152,9 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
             try:
                 import tiktoken
 
-                key = gpt2_cache.files_key(self._vocab_file, self._merge_file, extra=f"tiktoken {tiktoken.__version__}")
+                bases = gpt2_cache.hash_bases()
+                key = gpt2_cache.files_key(self._vocab_file, self._merge_file,
+                                           extra=f"tiktoken {tiktoken.__version__} bases {bases}")
             except (ImportError, OSError):
                 key = None
         if key is not None:

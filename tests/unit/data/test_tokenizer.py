@@ -225,13 +225,13 @@ def test_c_loops_equal_the_numpy_path():
     table.insert(keys, np.arange(keys.size))
     row_k2 = np.zeros(keys.size, dtype=np.uint64)
     row_k2[table.find(k1)[table.find(k1) >= 0]] = k2[table.find(k1) >= 0]
-    c1, c2, rows, bad = gpt2_native.hash_find(lib, cp, starts, ends, int(gpt2_fast._P1), int(gpt2_fast._P2),
+    c1, c2, rows, bad = gpt2_native.hash_find(lib, cp, starts, ends, enc._p1, enc._p2,
                                               gpt2_fast._LEN_MUL, int(table._MIX), table.keys, table.rows, row_k2,
                                               table.bits)
     assert np.array_equal(c1, k1) and np.array_equal(c2, k2) and bad == 0
     assert np.array_equal(rows, table.find(k1)) and (rows >= 0).any() and (rows < 0).any()
     row_k2[0] += 1  # a stored second hash that differs: reported as a collision
-    assert gpt2_native.hash_find(lib, cp, starts, ends, int(gpt2_fast._P1), int(gpt2_fast._P2), gpt2_fast._LEN_MUL,
+    assert gpt2_native.hash_find(lib, cp, starts, ends, enc._p1, enc._p2, gpt2_fast._LEN_MUL,
                                  int(table._MIX), table.keys, table.rows, row_k2, table.bits)[3] > 0
 
 
@@ -248,3 +248,19 @@ def test_bulk_encoder_cache_reset_keeps_ids_exact():
         assert lens.tolist() == [len(tok.tokenize(t)) for t in texts[k:k + 5]]
         sizes.append(tok._fast._nids)
     assert any(b < a for a, b in zip(sizes, sizes[1:]))  # it was reset at least once
+
+
+def test_bulk_encoder_exact_on_hash_colliding_pieces():
+    """Thue-Morse strings make polynomial hashes modulo 2**64 collide for every base; such long pieces are never
+    cached, so a piece never takes another's ids. Long pieces repeated within and across batches stay exact."""
+    swap = str.maketrans("ab", "ba")
+    a = "a"
+    for _ in range(11):
+        a += a.translate(swap)  # 2,048 letters: one GPT-2 piece
+    b = a.translate(swap)
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+    texts = [a, b, "x" * 100 + " " + "y" * 65, "x" * 100, a[:64], a[:65], a[:64]]
+    for _ in range(2):
+        flat, lens = tok.tokenize_batch_flat(texts)
+        assert lens.tolist() == [len(tok.tokenize(t)) for t in texts]
+        assert flat.tolist() == [i for t in texts for i in tok.tokenize(t)]
