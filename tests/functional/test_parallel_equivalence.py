@@ -48,3 +48,15 @@ def test_gradient_accumulation(data_prefix, baseline, micro):
     """One microbatch of 8 (or 2 of 4) gives the update of the baseline's 4 accumulated microbatches of 2."""
     run = losses(gpt_args(data_prefix, micro_batch_size=micro))
     assert_same_losses(baseline, run, keys=("lm loss", "grad norm"))
+
+
+def test_uneven_pipeline_split(data_prefix, baseline):
+    """--decoder-first-pipeline-num-layers 1: stage 0 holds 1 layer, stage 1 the other 3."""
+    run = losses(gpt_args(data_prefix, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1), nproc=2)
+    assert_same_losses(baseline, run, keys=("lm loss", "grad norm"))
+
+
+def test_torch_compile_matches_eager(data_prefix, baseline):
+    """--use-torch-compile (Inductor on CPU) computes the same model."""
+    run = losses(gpt_args(data_prefix, use_torch_compile=True), timeout=900)
+    assert_same_losses(baseline, run, keys=("lm loss", "grad norm"))
