@@ -14,14 +14,12 @@ is disabled so the C arithmetic equals Python's (and Megatron's) double arithmet
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
 import sys
-import tempfile
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
+
+from megatron.core.native import load_c_library
 
 _C_SOURCE = r"""
 #include <stdint.h>
@@ -59,36 +57,14 @@ _LIB = None
 _LIB_TRIED = False
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatron-lite")
-
-
 def _load_c() -> Optional[ctypes.CDLL]:
     """Compile (once per user and source version) and load the C loop; None when impossible."""
     global _LIB, _LIB_TRIED
     if _LIB_TRIED:
         return _LIB
     _LIB_TRIED = True
-    if os.environ.get("MEGATRON_NO_C_HELPERS"):
-        return None
-    tag = hashlib.sha256(_C_SOURCE.encode()).hexdigest()[:16]
-    try:
-        folder = _cache_dir()
-        os.makedirs(folder, exist_ok=True)
-        so = os.path.join(folder, f"blending_{tag}.so")
-        if not os.path.exists(so):
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src = os.path.join(tmp, "blending.c")
-                with open(src, "w") as f:
-                    f.write(_C_SOURCE)
-                out = os.path.join(tmp, "blending.so")
-                cc = os.environ.get("CC", "cc")
-                subprocess.run([cc, "-O2", "-ffp-contract=off", "-shared", "-fPIC", src, "-o", out],
-                               check=True, capture_output=True, timeout=60)
-                os.replace(out, so)  # atomic: concurrent builders never see half a library
-        lib = ctypes.CDLL(so)
-    except (OSError, subprocess.SubprocessError):
+    lib = load_c_library("blending", _C_SOURCE, extra_flags=("-ffp-contract=off",))
+    if lib is None:
         return None
     p = ctypes.c_void_p
     lib.blend.argtypes = [p, ctypes.c_int32, ctypes.c_int64, p, p, p]

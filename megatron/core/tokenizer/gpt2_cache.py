@@ -17,12 +17,9 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from megatron.core.native import cache_dir
+
 FORMAT = 2  # bump when what is stored, or how it is computed, changes
-
-
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatron-lite")
 
 
 def files_key(*paths: str, extra: str = "") -> str:

@@ -12,13 +12,11 @@ NumPy path runs instead.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from typing import Optional, Tuple
 
 import numpy as np
+
+from megatron.core.native import load_c_library
 
 _C_SOURCE = r"""
 #include <stdint.h>
@@ -85,26 +83,8 @@ def load() -> Optional[ctypes.CDLL]:
     if _TRIED:
         return _LIB
     _TRIED = True
-    if os.environ.get("MEGATRON_NO_C_HELPERS", "0") not in ("", "0"):
-        return None
-    from megatron.core.tokenizer.gpt2_cache import cache_dir
-
-    tag = hashlib.sha256(_C_SOURCE.encode()).hexdigest()[:16]
-    try:
-        folder = cache_dir()
-        os.makedirs(folder, exist_ok=True)
-        so = os.path.join(folder, f"gpt2_pieces_{tag}.so")
-        if not os.path.exists(so):
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src = os.path.join(tmp, "gpt2_pieces.c")
-                with open(src, "w") as f:
-                    f.write(_C_SOURCE)
-                out = os.path.join(tmp, "gpt2_pieces.so")
-                subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", src, "-o", out],
-                               check=True, capture_output=True, timeout=60)
-                os.replace(out, so)  # atomic: concurrent builders never see half a library
-        lib = ctypes.CDLL(so)
-    except (OSError, subprocess.SubprocessError):
+    lib = load_c_library("gpt2_pieces", _C_SOURCE)
+    if lib is None:
         return None
     p, u64 = ctypes.c_void_p, ctypes.c_uint64
     lib.hash_find.argtypes = [p, p, p, ctypes.c_int64, u64, u64, u64, u64, p, p, p, ctypes.c_int32, p, p, p]
