@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 import torch
 
 from tests.functional.harness import assert_same_losses, gpt_args, losses, run_pretrain

@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 

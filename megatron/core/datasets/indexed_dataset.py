@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
