@@ -11,6 +11,7 @@ The distributed optimizer (``distrib_optimizer.py``) is a third layout on the sa
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import List, Optional, Tuple
 
@@ -22,7 +23,7 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(abc.ABC):
     """Base class: owns the torch optimizer, the optional loss scaler and the shared ``step`` logic.
 
     Subclasses provide ``_copy_model_grads_to_main``, ``_main_grads``, ``_grads_for_norm``,
@@ -110,26 +111,33 @@ class MegatronOptimizer:
             groups.append(self.pstate.mp_group)
         return groups
 
+    @abc.abstractmethod
     def _copy_model_grads_to_main(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _main_grads(self) -> List[torch.Tensor]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _grads_for_norm(self) -> List[torch.Tensor]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _copy_main_params_to_model(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _release_grads(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def state_dict(self) -> dict:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def load_state_dict(self, state_dict: dict) -> None:
-        raise NotImplementedError
+        ...
 
 
 def _model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
