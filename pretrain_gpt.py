@@ -39,6 +39,7 @@ def model_provider(args, pstate):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=tuple(args.recompute_modules),
         attention_backend=args.attention_backend,
         use_fused_kernels=not (args.no_bias_gelu_fusion or args.no_bias_dropout_fusion or args.no_persist_layer_norm),
         gradient_accumulation_fusion=not args.no_gradient_accumulation_fusion,

@@ -151,7 +151,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", default=None, choices=["selective", "full"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="+", default=["core_attn", "mlp_act"],
+                   choices=["core_attn", "mlp_act"],
+                   help="what --recompute-granularity selective recomputes: the attention core and/or the MLP's "
+                        "GeLU output (default both)")
     g.add_argument("--use-torch-compile", action="store_true", help="torch.compile each transformer layer")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="capture the whole training iteration in one CUDA graph and replay it (one GPU)")
+    g.add_argument("--cuda-graph-scope", default="full_iteration", choices=["full_iteration"],
+                   help="what the CUDA graph covers (only the whole iteration)")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="eager iterations before the capture")
     g.add_argument("--no-bias-gelu-fusion", action="store_true")
     g.add_argument("--no-bias-dropout-fusion", action="store_true")
     g.add_argument("--no-persist-layer-norm", action="store_true")
@@ -176,6 +186,29 @@ def _reject_unsupported(argv: List[str]) -> None:
 
 def _fail(msg: str):
     raise ValueError(msg)
+
+
+def _check_cuda_graph_args(args: argparse.Namespace, world_size: int) -> None:
+    """--enable-cuda-graph captures one whole iteration; reject what that capture cannot hold, by name."""
+    if not torch.cuda.is_available():
+        _fail("--enable-cuda-graph needs a CUDA GPU")
+    if world_size != 1:
+        _fail(f"--enable-cuda-graph runs on one GPU (world size 1), got world size {world_size}")
+    if args.fp16:
+        _fail("--enable-cuda-graph needs --bf16 or fp32 (fp16 loss scaling reads overflow flags on the host)")
+    if args.use_distributed_optimizer:
+        _fail("--enable-cuda-graph does not combine with --use-distributed-optimizer (one GPU has nothing to shard)")
+    if args.optimizer != "adam":
+        _fail("--enable-cuda-graph needs --optimizer adam (the captured step is torch's fused AdamW)")
+    if args.attention_dropout > 0.0:
+        _fail("--enable-cuda-graph needs --attention-dropout 0 (the attention dropout generator is switched "
+              "on the host)")
+    if args.recompute_granularity == "full" or (args.recompute_granularity == "selective"
+                                                and "core_attn" in args.recompute_modules):
+        _fail("--enable-cuda-graph cannot capture recomputation that restores RNG states: use no recomputation "
+              "or --recompute-granularity selective --recompute-modules mlp_act")
+    if args.cuda_graph_warmup_steps < 1:
+        _fail(f"--cuda-graph-warmup-steps must be >= 1, got {args.cuda_graph_warmup_steps}")
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -284,6 +317,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _fail("--data-path is required (a preprocessed prefix, or weights and prefixes)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.enable_cuda_graph:
+        _check_cuda_graph_args(args, world_size)
     args.params_dtype = "bfloat16" if args.bf16 else ("float16" if args.fp16 else "float32")
     args.attention_backend = "unfused" if (args.attention_backend in ("unfused", "local")
                                            or args.no_masked_softmax_fusion) else "sdpa"

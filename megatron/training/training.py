@@ -73,7 +73,7 @@ class Trainer:
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
             hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_param_gather=args.overlap_param_gather,
+            overlap_param_gather=args.overlap_param_gather, capturable=args.enable_cuda_graph,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, model, pstate)
         self.scheduler = OptimizerParamScheduler(
@@ -81,6 +81,7 @@ class Trainer:
             args.lr_decay_style, args.weight_decay,
         )
         self.forward_backward = get_forward_backward_func(pstate)
+        self.cuda_graph = None  # built at the first step with --enable-cuda-graph
         self.iteration = 0
         self.consumed_train_samples = 0
         self.skipped_iters = 0
@@ -113,12 +114,31 @@ class Trainer:
             out[key] = _dp_mean(value.clone(), self.pstate).item()
         return out
 
-    def train_step(self) -> tuple:
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+    def _eager_step(self) -> tuple:
+        self.optimizer.zero_grad()  # zeroes every chunk's grad buffer
         stats = self._schedule(self.iterators["train"], forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
+        return stats, ok, grad_norm
+
+    def _captured_step_body(self, static_iterator) -> tuple:
+        """One step's GPU work with no host synchronisation (what ``--enable-cuda-graph`` captures)."""
+        self.optimizer.zero_grad()
+        stats = self._schedule([static_iterator], forward_only=False)
+        found_inf, grad_norm = self.optimizer.step_without_sync()
+        return stats, found_inf, grad_norm
+
+    def train_step(self) -> tuple:
+        if self.args.enable_cuda_graph:
+            if self.cuda_graph is None:
+                from megatron.training.cuda_graph import FullIterationCudaGraph
+
+                self.cuda_graph = FullIterationCudaGraph(
+                    self.iterators["train"][0], self.args.num_microbatches, self._eager_step,
+                    self._captured_step_body, self.optimizer.optimizer, self.args.cuda_graph_warmup_steps,
+                    torch.device("cuda", torch.cuda.current_device()))
+            stats, ok, grad_norm = self.cuda_graph.step()
+        else:
+            stats, ok, grad_norm = self._eager_step()
         if ok:
             self.scheduler.step(1)
         return self._reduce_losses(stats), ok, grad_norm

@@ -4,6 +4,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from megatron.training.arguments import pad_vocab_size, parse_args
 from megatron.training.logging import format_eval_line, format_iteration_line, num_floating_point_operations
@@ -113,3 +114,31 @@ def test_iteration_line_has_megatron_fields():
     assert re.search(pattern, line), line
     ev = format_eval_line("validation loss at iteration 100", {"lm loss": 2.0})
     assert "lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |" in ev
+
+
+def test_cuda_graph_needs_a_gpu(capsys):
+    if not torch.cuda.is_available():
+        assert "--enable-cuda-graph needs a CUDA GPU" in _err(capsys, ["--enable-cuda-graph"])
+
+
+@pytest.mark.parametrize("argv,world,needle", [
+    ([], 2, "one GPU (world size 1), got world size 2"),
+    (["--fp16"], 1, "needs --bf16 or fp32"),
+    (["--attention-dropout", "0.1"], 1, "needs --attention-dropout 0"),
+    (["--recompute-granularity", "selective"], 1, "--recompute-modules mlp_act"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], 1, "--recompute-modules mlp_act"),
+    (["--optimizer", "sgd"], 1, "needs --optimizer adam"),
+    (["--cuda-graph-warmup-steps", "0"], 1, "--cuda-graph-warmup-steps must be >= 1"),
+])
+def test_cuda_graph_rejects_what_it_cannot_capture(capsys, monkeypatch, argv, world, needle):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["--enable-cuda-graph", "--attention-dropout", "0"] + argv if "--attention-dropout" not in argv else \
+        ["--enable-cuda-graph"] + argv
+    assert needle in _err(capsys, argv, world)
+
+
+def test_cuda_graph_accepts_mlp_act_recompute(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    a = parse_args(BASE + ["--enable-cuda-graph", "--attention-dropout", "0", "--bf16", "--recompute-granularity",
+                           "selective", "--recompute-modules", "mlp_act"], world_size=1)
+    assert a.enable_cuda_graph and a.recompute_modules == ["mlp_act"] and a.cuda_graph_warmup_steps == 3

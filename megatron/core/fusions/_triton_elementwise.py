@@ -22,9 +22,14 @@ import triton.language as tl
 
 # Tiles: BLOCK_M rows x BLOCK_N columns of the tensor viewed as [M, N] (N = last dimension). Each program walks
 # ROW_TILES row tiles of one column block, so the bias is loaded once and bias-gradient partial sums stay in
-# registers; no per-element integer modulo is needed to find the bias column.
-_BLOCK_M = 16
-_BLOCK_N = 256
+# registers; no per-element integer modulo is needed to find the bias column. One (BLOCK_M, BLOCK_N, num_warps,
+# programs per multiprocessor) per kernel; bench/kernel_sweep.py measures the alternatives on the GPU.
+TILE_CONFIG = {
+    "gelu_fwd": (16, 256, 4, 64),
+    "gelu_bwd": (16, 256, 4, 64),
+    "bda_fwd": (16, 256, 4, 64),
+    "dropout_bwd": (16, 256, 4, 64),
+}
 
 
 @triton.jit
@@ -78,18 +83,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_shape(m: int, n: int, device: torch.device):
-    """(grid, row tiles per program): about 64 programs per multiprocessor (enough loads in flight to run at
-    memory bandwidth; measured on an H200, 4 per multiprocessor ran at a third of it), each program a column
-    block x a short run of row tiles whose bias-gradient partial sums it writes once."""
-    col_blocks = triton.cdiv(n, _BLOCK_N)
-    row_tiles_total = triton.cdiv(m, _BLOCK_M)
+def _launch(kernel_name: str, m: int, n: int, device: torch.device):
+    """(grid, row tiles per program, launch meta-parameters) for one of the tiled kernels: many programs per
+    multiprocessor (enough loads in flight to run at memory bandwidth; on an H200, 4 per multiprocessor ran at
+    a third of it), each program a column block x a short run of row tiles whose bias-gradient partial sums it
+    writes once."""
+    block_m, block_n, num_warps, per_sm = TILE_CONFIG[kernel_name]
+    col_blocks = triton.cdiv(n, block_n)
+    row_tiles_total = triton.cdiv(m, block_m)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    row_groups = max(1, min(row_tiles_total, triton.cdiv(64 * sms, col_blocks)))
+    row_groups = max(1, min(row_tiles_total, triton.cdiv(per_sm * sms, col_blocks)))
     per_program = triton.cdiv(row_tiles_total, row_groups)
     row_groups = triton.cdiv(row_tiles_total, per_program)
-    return (col_blocks, row_groups), per_program
+    return (col_blocks, row_groups), per_program, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -103,9 +110,9 @@ class BiasGeLUFunction(torch.autograd.Function):
         n = x.shape[-1]
         m = x.numel() // n if n else 0
         if m and n:
-            grid, tiles = _launch_shape(m, n, x.device)
+            grid, tiles, meta = _launch("gelu_fwd", m, n, x.device)
             _bias_gelu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, n, tiles,
-                                        HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
+                                        HAS_BIAS=bias is not None, **meta)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
         return y
@@ -128,10 +135,10 @@ def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.T
     m = x.numel() // n if n else 0
     dbias = None
     if m and n:
-        grid, tiles = _launch_shape(m, n, x.device)
+        grid, tiles, meta = _launch("gelu_bwd", m, n, x.device)
         part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device) if bias is not None else x
         _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
-                                    HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
+                                    HAS_BIAS=bias is not None, **meta)
         if bias is not None:
             dbias = part.sum(0).to(bias.dtype)
     elif bias is not None:
@@ -213,11 +220,10 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         n = x.shape[-1]
         m = x.numel() // n if n else 0
         if m and n:
-            grid, tiles = _launch_shape(m, n, x.device)
+            grid, tiles, meta = _launch("bda_fwd", m, n, x.device)
             _bias_dropout_add_fwd_kernel[grid](
                 x, bias if bias is not None else x, residual, out, seed if dropout else x, m, n, tiles, float(prob),
-                scale,
-                HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=4)
+                scale, HAS_BIAS=bias is not None, DROPOUT=dropout, **meta)
         if dropout:
             ctx.save_for_backward(seed)
         ctx.dropout, ctx.prob, ctx.scale = dropout, float(prob), scale
@@ -242,12 +248,10 @@ class BiasDropoutAddFunction(torch.autograd.Function):
                 dbias = dout.reshape(-1, n).sum(0).to(ctx.bias_dtype) if m else torch.zeros(
                     n, dtype=ctx.bias_dtype, device=dout.device)
         elif m and n:
-            grid, tiles = _launch_shape(m, n, dout.device)
+            grid, tiles, meta = _launch("dropout_bwd", m, n, dout.device)
             part = torch.empty((grid[1], n), dtype=torch.float32, device=dout.device) if has_bias else dout
             _dropout_bwd_kernel[grid](dout, dz, part, seed if seed is not None else dout, m, n, tiles, ctx.prob,
-                                      ctx.scale, DROPOUT=ctx.dropout,
-                                      WRITE_DX=write_dx, HAS_BIAS=has_bias, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-                                      num_warps=4)
+                                      ctx.scale, DROPOUT=ctx.dropout, WRITE_DX=write_dx, HAS_BIAS=has_bias, **meta)
             if has_bias:
                 dbias = part.sum(0).to(ctx.bias_dtype)
         elif has_bias:

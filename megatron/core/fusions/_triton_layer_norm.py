@@ -85,8 +85,13 @@ def triton_layer_norm_supported(x: torch.Tensor) -> bool:
     return x.shape[-1] * 4 <= _MAX_FUSED_BYTES and x.numel() > 0
 
 
-def _num_warps(block_n: int) -> int:
-    return min(max(block_n // 256, 1), 16)
+# Launch choices (bench/kernel_sweep.py measures alternatives): warps per row program is the row's padded length
+# divided by WARP_DIVISOR (1..16 warps); the backward runs BWD_PROGRAMS_PER_SM programs per multiprocessor.
+LN_CONFIG = {"fwd_warp_divisor": 256, "bwd_warp_divisor": 256, "bwd_programs_per_sm": 16}
+
+
+def _num_warps(block_n: int, divisor: int) -> int:
+    return min(max(block_n // divisor, 1), 16)
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -107,7 +112,7 @@ class LayerNormFunction(torch.autograd.Function):
         _ln_fwd_kernel[(m,)](x2, weight, bias if bias is not None else weight, y, mean, rstd,
                              x2.stride(0), y.stride(0), n, float(eps),
                              HAS_BIAS=bias is not None, ZERO_CENTERED=bool(zero_centered_gamma),
-                             BLOCK_N=block_n, num_warps=_num_warps(block_n))
+                             BLOCK_N=block_n, num_warps=_num_warps(block_n, LN_CONFIG["fwd_warp_divisor"]))
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias, ctx.zero_centered = bias is not None, bool(zero_centered_gamma)
         ctx.block_n, ctx.shape = block_n, x.shape
@@ -122,14 +127,14 @@ class LayerNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x2)
         sms = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
             if x2.is_cuda else 4
-        programs = max(1, min(m, 16 * sms))  # 16 per multiprocessor keeps enough rows in flight
+        programs = max(1, min(m, LN_CONFIG["bwd_programs_per_sm"] * sms))  # enough rows in flight
         rows_per_program = triton.cdiv(m, programs)
         programs = triton.cdiv(m, rows_per_program)
         dw_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device)
         db_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device)
         _ln_bwd_kernel[(programs,)](dy2, x2, weight, mean, rstd, dx, dw_part, db_part, x2.stride(0), m, n,
                                     rows_per_program, ZERO_CENTERED=ctx.zero_centered, BLOCK_N=ctx.block_n,
-                                    num_warps=_num_warps(ctx.block_n))
+                                    num_warps=_num_warps(ctx.block_n, LN_CONFIG["bwd_warp_divisor"]))
         dw = dw_part.sum(0).to(weight.dtype)
         db = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw, db, None, None

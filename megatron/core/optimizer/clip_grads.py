@@ -61,6 +61,24 @@ def global_grad_norm(grads_for_norm: List[torch.Tensor], groups: Iterable, devic
     return math.sqrt(value) if math.isfinite(value) else value
 
 
+def global_grad_norm_tensor(grads_for_norm: List[torch.Tensor], groups: Iterable, device) -> torch.Tensor:
+    """:func:`global_grad_norm` without the host synchronisation: the norm as a [1] fp64 tensor on ``device``."""
+    total = squared_norm(grads_for_norm, device)
+    for group in groups:
+        if group is not None and group_size(group) > 1:
+            all_reduce(total, group).wait()
+    return total.sqrt()
+
+
+def clip_grads_by_norm_tensor(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """:func:`clip_grads_by_total_norm` with the norm on the device: multiply by ``min(1, coeff)`` as a tensor
+    (multiplying by exactly 1.0 leaves a gradient unchanged, so the result equals the host-side version)."""
+    if max_norm <= 0 or not grads:
+        return
+    coeff = (max_norm / (total_norm + 1.0e-6)).clamp(max=1.0).to(torch.float32).reshape(())
+    torch._foreach_mul_(grads, coeff)
+
+
 def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> None:
     """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (as torch does)."""
     if max_norm <= 0 or not grads:

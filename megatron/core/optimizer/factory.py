@@ -39,11 +39,18 @@ def _apex_fused_adam():
 
 
 def make_torch_optimizer(config: OptimizerConfig, groups: List[dict], device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (apex FusedAdam when importable on CUDA, else torch's fused/foreach AdamW) or SGD over ``groups``."""
+    """AdamW (apex FusedAdam when importable on CUDA, else torch's fused/foreach AdamW) or SGD over ``groups``.
+
+    ``config.capturable`` always selects torch's fused AdamW with ``capturable=True`` (it skips its own update
+    when given ``found_inf``, which a CUDA-graph-captured step relies on).
+    """
     on_cuda = device.type == "cuda"
     if config.optimizer == "adam":
-        fused_adam = _apex_fused_adam() if on_cuda else None
         betas = (config.adam_beta1, config.adam_beta2)
+        if config.capturable:
+            return torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
+                                     weight_decay=config.weight_decay, fused=True, capturable=True)
+        fused_adam = _apex_fused_adam() if on_cuda else None
         if fused_adam is not None:
             return fused_adam(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
                               weight_decay=config.weight_decay, adam_w_mode=True)

@@ -18,7 +18,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron.core.optimizer.clip_grads import (
-    clip_grads_by_total_norm, found_inf_in, global_grad_norm, param_counts_for_norm,
+    clip_grads_by_norm_tensor, clip_grads_by_total_norm, found_inf_in, global_grad_norm, global_grad_norm_tensor,
+    param_counts_for_norm,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
@@ -96,6 +97,31 @@ class MegatronOptimizer(abc.ABC):
         self._release_grads()
         self._copy_main_params_to_model()
         return True, grad_norm, None
+
+    @torch.no_grad()
+    def step_without_sync(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The update of :meth:`step` with no host synchronisation, so it can be captured in a CUDA graph.
+
+        Returns ``(found_inf, grad_norm)`` as device tensors: the torch optimizer skips the update by itself when
+        the grad norm is not finite (``found_inf`` = 1). Needs bf16 or fp32 (no loss scaler) and a torch
+        optimizer that honours ``found_inf`` (fused AdamW: ``OptimizerConfig(capturable=True)``).
+        """
+        if self.grad_scaler is not None:
+            raise ValueError("a host-synchronisation-free step needs --bf16 or fp32 (no fp16 loss scaling)")
+        if not self.optimizer.defaults.get("fused"):
+            raise ValueError("a host-synchronisation-free step needs the fused AdamW optimizer")
+        self._copy_model_grads_to_main()
+        grad_norm = global_grad_norm_tensor(self._grads_for_norm(), self._reduce_groups(), self.device)
+        found_inf = (~torch.isfinite(grad_norm)).to(torch.float32).reshape(())  # 0-dim, as torch expects
+        clip_grads_by_norm_tensor(self._main_grads(), self.config.clip_grad, grad_norm)
+        self.optimizer.found_inf = found_inf
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        self._release_grads()
+        self._copy_main_params_to_model()
+        return found_inf, grad_norm
 
     def reload_model_params(self) -> None:
         """Refresh the main params from the model params (after loading a model-only checkpoint)."""

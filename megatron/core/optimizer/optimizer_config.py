@@ -22,6 +22,8 @@ class OptimizerConfig:
         the model chunks must be wrapped with ``DDPConfig(use_distributed_optimizer=True)``.
     overlap_param_gather: leave the post-step parameter all-gather in flight and wait for each bucket in the
         next forward (``--overlap-param-gather``; distributed optimizer only).
+    capturable: build torch's fused AdamW with ``capturable=True`` so that ``step_without_sync()`` can be captured
+        in a CUDA graph (``--enable-cuda-graph``); the learning rate may then be a device tensor.
     """
 
     optimizer: str = "adam"
@@ -42,6 +44,7 @@ class OptimizerConfig:
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    capturable: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -63,3 +66,5 @@ class OptimizerConfig:
             raise ValueError(f"--hysteresis must be >= 1, got {self.hysteresis}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.capturable and self.optimizer != "adam":
+            raise ValueError("a capturable optimizer (--enable-cuda-graph) needs --optimizer adam")

@@ -81,7 +81,7 @@ class SelfAttention(nn.Module):
         self.linear_proj = tensor_parallel.RowParallelLinear(
             h, h, config=config, pstate=pstate, bias=True, input_is_parallel=True, skip_bias_add=True
         )
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = config.recomputes("core_attn")
 
     def forward(self, hidden: torch.Tensor):
         """hidden ``[s(/tp under SP), b, h]`` -> (output ``[s(/tp), b, h]``, projection bias)."""

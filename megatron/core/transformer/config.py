@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,6 +29,8 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    # what "selective" recomputes: "core_attn" (softmax(QK^T)V) and/or "mlp_act" (the MLP's GeLU output)
+    recompute_modules: Tuple[str, ...] = ("core_attn", "mlp_act")
     # kernels: "sdpa" (torch scaled_dot_product_attention) or "unfused" (explicit scale-mask-softmax)
     attention_backend: str = "sdpa"
     use_fused_kernels: bool = True  # fused element-wise kernels on CUDA; plain PyTorch elsewhere
@@ -54,8 +56,16 @@ class TransformerConfig:
             raise ValueError(f"--recompute-granularity must be selective or full, got {self.recompute_granularity}")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+        self.recompute_modules = tuple(self.recompute_modules)
+        unknown = sorted(set(self.recompute_modules) - {"core_attn", "mlp_act"})
+        if unknown:
+            raise ValueError(f"--recompute-modules accepts core_attn and mlp_act, got {', '.join(unknown)}")
         if self.attention_backend not in ("sdpa", "unfused"):
             raise ValueError(f"attention backend must be sdpa or unfused, got {self.attention_backend}")
+
+    def recomputes(self, module: str) -> bool:
+        """True when selective recomputation covers ``module`` ("core_attn" or "mlp_act")."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     @property
     def kv_channels(self) -> int:

@@ -35,9 +35,9 @@ class LayerNorm(nn.Module):
 class MLP(nn.Module):
     """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); the GeLU needs no communication.
 
-    Under ``--recompute-granularity selective`` the GeLU output is not kept for backward but recomputed from the
-    first GEMM's output (which the GeLU backward keeps anyway): with flash attention the attention core stores
-    nothing worth recomputing, and the GeLU output is ``8sbh/t`` bytes per layer for one element-wise pass.
+    Under ``--recompute-granularity selective`` (module ``mlp_act``) the GeLU output is not kept for backward but
+    recomputed from the first GEMM's output (which the GeLU backward keeps anyway): with flash attention the
+    attention core stores little, and the GeLU output is ``8sbh/t`` bytes per layer for one element-wise pass.
     """
 
     def __init__(self, config: TransformerConfig, pstate: ParallelState):
@@ -51,7 +51,7 @@ class MLP(nn.Module):
             input_is_parallel=True, skip_bias_add=True,
         )
         self.use_fused = config.use_fused_kernels
-        self.recompute_gelu = config.recompute_granularity == "selective"
+        self.recompute_gelu = config.recomputes("mlp_act")
         self.grad_accum_fusion = config.gradient_accumulation_fusion
 
     def forward(self, hidden: torch.Tensor):

@@ -1,0 +1,156 @@
+"""Sweep the launch configurations of the Triton element-wise and LayerNorm kernels on the GPU.
+
+For each kernel (bias+GeLU forward and backward, bias+dropout+add forward, LayerNorm forward and backward) and
+each model shape of bench/gpu_throughput.py, time every candidate configuration with ``triton.testing.do_bench``
+and report the best next to the current default, PyTorch eager and the memory-bandwidth floor.
+
+    python bench/kernel_sweep.py --out bench/results/kernel_sweep.json
+
+The defaults live in ``TILE_CONFIG`` (megatron/core/fusions/_triton_elementwise.py) and ``LN_CONFIG``
+(_triton_layer_norm.py); this script only reads and temporarily overrides them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {"1.3b": (2048 * 8, 2048), "124m": (1024 * 16, 768)}  # (tokens, hidden)
+BANDWIDTH = 4.3e12  # bytes/s, measured copy bandwidth of the H200 (docs/performance.md)
+TILES = [(16, 256, 4), (8, 256, 4), (32, 256, 8), (16, 512, 8), (8, 512, 4), (16, 128, 4), (32, 128, 4),
+         (64, 128, 8), (4, 1024, 4)]
+PER_SM = [8, 16, 32, 64]
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=50))
+
+
+def sweep_tiled(name: str, fn) -> dict:
+    import megatron.core.fusions._triton_elementwise as E
+
+    default = E.TILE_CONFIG[name]
+    results = []
+    try:
+        for (bm, bn, w), per_sm in itertools.product(TILES, PER_SM):
+            E.TILE_CONFIG[name] = (bm, bn, w, per_sm)
+            results.append({"config": [bm, bn, w, per_sm], "ms": bench(fn)})
+    finally:
+        E.TILE_CONFIG[name] = default
+    return {"default": list(default), "default_ms": bench(fn), "results": results}
+
+
+def sweep_ln(keys: dict, fn) -> dict:
+    import megatron.core.fusions._triton_layer_norm as L
+
+    default = dict(L.LN_CONFIG)
+    results = []
+    try:
+        for values in itertools.product(*keys.values()):
+            L.LN_CONFIG.update(dict(zip(keys, values)))
+            results.append({"config": dict(zip(keys, values)), "ms": bench(fn)})
+            L.LN_CONFIG.update(default)
+    finally:
+        L.LN_CONFIG.update(default)
+    return {"default": {k: default[k] for k in keys}, "default_ms": bench(fn), "results": results}
+
+
+def run(shape_name: str) -> list:
+    from megatron.core.fusions import _triton_elementwise as E
+    from megatron.core.fusions._triton_layer_norm import LayerNormFunction
+
+    tokens, h = SHAPES[shape_name]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+
+    def add(op, sweep, eager_fn, nbytes):
+        best = min(sweep["results"], key=lambda r: r["ms"])
+        rows.append({"shape": shape_name, "op": op, "default": sweep["default"], "default_ms": sweep["default_ms"],
+                     "best": best["config"], "best_ms": best["ms"],
+                     "eager_ms": bench(eager_fn) if eager_fn is not None else None,
+                     "floor_ms": nbytes / BANDWIDTH * 1e3, "all": sweep["results"]})
+        r = rows[-1]
+        print(f"{shape_name} {op}: default {r['default']} {r['default_ms']:.4f} ms, best {r['best']} "
+              f"{r['best_ms']:.4f} ms, eager {r['eager_ms']}, floor {r['floor_ms']:.4f}", flush=True)
+
+    # bias + GeLU over [tokens, 4h]
+    x = torch.randn(tokens, 4 * h, device=dev, dtype=dt, generator=g)
+    b = torch.randn(4 * h, device=dev, dtype=dt, generator=g)
+    dy = torch.randn_like(x)
+    with torch.no_grad():
+        add("bias_gelu fwd [t,4h]", sweep_tiled("gelu_fwd", lambda: E.BiasGeLUFunction.apply(x, b)),
+            lambda: F.gelu(x + b), 2 * x.numel() * 2)
+        add("bias_gelu bwd [t,4h]", sweep_tiled("gelu_bwd", lambda: E.bias_gelu_backward(dy, x, b)),
+            None, 3 * x.numel() * 2)
+    del x, dy
+    # bias + dropout(0) + residual over [tokens, h]
+    x = torch.randn(tokens, h, device=dev, dtype=dt, generator=g)
+    r = torch.randn_like(x)
+    bh = torch.randn(h, device=dev, dtype=dt, generator=g)
+    with torch.no_grad():
+        add("bias_dropout_add fwd p=0 [t,h]",
+            sweep_tiled("bda_fwd", lambda: E.BiasDropoutAddFunction.apply(x, bh, r, 0.0, True)),
+            lambda: r + (x + bh), 3 * x.numel() * 2)
+    # LayerNorm over [tokens, h]
+    w = torch.randn(h, device=dev, dtype=dt, generator=g)
+    with torch.no_grad():
+        add("layer_norm fwd [t,h]",
+            sweep_ln({"fwd_warp_divisor": [32, 64, 128, 256, 512, 1024]},
+                     lambda: LayerNormFunction.apply(x, w, bh, 1e-5, False)),
+            lambda: F.layer_norm(x, (h,), w, bh, 1e-5), 2 * x.numel() * 2)
+    xg = x.clone().requires_grad_()
+    wg, bg = w.clone().requires_grad_(), bh.clone().requires_grad_()
+    dyh = torch.randn_like(x)
+    y = LayerNormFunction.apply(xg, wg, bg, 1e-5, False)
+    y_ref = F.layer_norm(xg, (h,), wg, bg, 1e-5)
+    add("layer_norm bwd [t,h]",
+        sweep_ln({"bwd_warp_divisor": [64, 128, 256, 512], "bwd_programs_per_sm": [2, 4, 8, 16, 32]},
+                 lambda: torch.autograd.grad(y, (xg, wg, bg), dyh, retain_graph=True)),
+        lambda: torch.autograd.grad(y_ref, (xg, wg, bg), dyh, retain_graph=True), 3 * x.numel() * 2)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="1.3b,124m")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                 "kernel_sweep.json"))
+    a = p.parse_args()
+    rows = []
+    for shape in a.shapes.split(","):
+        rows += run(shape)
+    import triton
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "command": "python bench/kernel_sweep.py " + " ".join(sys.argv[1:])}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [f"# Kernel launch sweep ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']})",
+             "", f"Command: `{meta['command']}`. Median ms per call (triton do_bench), bf16; floor = bytes / 4.3 TB/s.",
+             "", "| shape | op | default | default ms | best | best ms | eager ms | floor ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        eager = f"{r['eager_ms']:.4f}" if r["eager_ms"] is not None else ""
+        lines.append(f"| {r['shape']} | {r['op']} | {r['default']} | {r['default_ms']:.4f} | {r['best']} | "
+                     f"{r['best_ms']:.4f} | {eager} | {r['floor_ms']:.4f} |")
+    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

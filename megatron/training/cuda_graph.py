@@ -1,0 +1,126 @@
+"""Whole-iteration CUDA graphs (``--enable-cuda-graph``): capture one training step once, replay it every step.
+
+A small model's iteration is bounded by the host: hundreds of kernel launches, each a few microseconds of Python
+and driver time, plus the host synchronisations of the optimizer step. Capturing the step in a CUDA graph turns
+all of that into one launch. What is captured: zeroing the gradient buffers, the forward and backward of every
+microbatch (the same schedule function as the eager step), the gradient norm, clipping and the fused AdamW update
+(:meth:`MegatronOptimizer.step_without_sync`), and the copy of the fp32 main params into the model params.
+
+What stays on the host, outside the graph:
+
+* the data loader: each step's microbatches are copied into static device buffers the graph reads;
+* the learning-rate schedule: the scheduler writes Python floats as usual; before each replay they are copied
+  into the device tensors the captured optimizer reads;
+* logging: the loss statistics and the grad norm are static device tensors read after the replay.
+
+The first ``warmup_steps`` iterations run eagerly on a side stream (cuBLAS/cuDNN/Triton/torch.compile warm up and
+allocate there), the next one is captured and replayed, and every later one is only replayed. A skipped update
+(non-finite grad norm) is done by the fused AdamW itself (``found_inf``), so nothing in the graph depends on a
+value read back by the host.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+
+class _StaticBatches:
+    """The iterator the captured step reads: it hands out the same static device batches, in order."""
+
+    def __init__(self, batches: List[Dict[str, torch.Tensor]]):
+        self.batches, self.index = batches, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        batch = self.batches[self.index % len(self.batches)]
+        self.index += 1
+        return batch
+
+
+class FullIterationCudaGraph:
+    """Runs training steps through one captured CUDA graph.
+
+    ``eager_step()`` is the trainer's ordinary step (returns ``(stats, update_ok, grad_norm)``);
+    ``captured_body(data_iterator)`` runs one step's GPU work without host synchronisation and returns
+    ``(microbatch stats, found_inf, grad_norm)`` as device tensors; ``torch_optimizer`` is the optimizer whose
+    ``lr`` the scheduler sets.
+    """
+
+    def __init__(self, data_iterator, num_microbatches: int, eager_step: Callable[[], tuple],
+                 captured_body: Callable[[object], tuple], torch_optimizer: torch.optim.Optimizer,
+                 warmup_steps: int, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError("--enable-cuda-graph needs a CUDA device")
+        if warmup_steps < 1:
+            raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {warmup_steps}")
+        self.data_iterator, self.num_microbatches = data_iterator, num_microbatches
+        self.eager_step, self.captured_body = eager_step, captured_body
+        self.torch_optimizer, self.warmup_steps, self.device = torch_optimizer, warmup_steps, device
+        self.steps_run = 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.stream = torch.cuda.Stream(device=device)
+        self.static_batches: List[Dict[str, torch.Tensor]] = []
+        self.lr_tensors: List[torch.Tensor] = []
+        self.outputs: Optional[tuple] = None
+
+    # ---- data -------------------------------------------------------------------------------------------
+    def _load_batches(self) -> None:
+        """Copy this step's microbatches (from the real loader) into the static device buffers."""
+        for i in range(self.num_microbatches):
+            batch = next(self.data_iterator)
+            if i == len(self.static_batches):
+                self.static_batches.append({k: torch.empty(v.shape, dtype=v.dtype, device=self.device)
+                                            for k, v in batch.items()})
+            static = self.static_batches[i]
+            if set(batch) != set(static):
+                raise ValueError(f"--enable-cuda-graph: batch keys changed from {sorted(static)} to {sorted(batch)}")
+            for k, v in batch.items():
+                if v.shape != static[k].shape or v.dtype != static[k].dtype:
+                    raise ValueError(f"--enable-cuda-graph needs fixed-shape batches: {k!r} was "
+                                     f"{tuple(static[k].shape)} {static[k].dtype}, now {tuple(v.shape)} {v.dtype}")
+                static[k].copy_(v, non_blocking=True)
+
+    def _load_lr(self) -> None:
+        for tensor, group in zip(self.lr_tensors, self.torch_optimizer.param_groups):
+            tensor.fill_(float(group["lr"]))
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def _warmup_step(self) -> tuple:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            result = self.eager_step()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return result
+
+    def _capture(self) -> None:
+        groups = self.torch_optimizer.param_groups
+        self.lr_tensors = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device) for g in groups]
+        floats = [g["lr"] for g in groups]
+        for group, tensor in zip(groups, self.lr_tensors):
+            group["lr"] = tensor  # the captured fused AdamW reads the learning rate from this tensor
+        torch.cuda.synchronize(self.device)
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph, stream=self.stream):
+                self.outputs = self.captured_body(_StaticBatches(self.static_batches))
+        finally:
+            for group, value in zip(groups, floats):
+                group["lr"] = value  # the scheduler and checkpoints keep seeing floats
+
+    def step(self) -> Tuple[list, bool, Optional[float]]:
+        """One training iteration: ``(microbatch stats, update_ok, grad_norm)`` like the eager step."""
+        self.steps_run += 1
+        if self.steps_run <= self.warmup_steps:
+            return self._warmup_step()
+        self._load_batches()
+        if self.graph is None:
+            self._capture()
+        self._load_lr()
+        self.graph.replay()
+        stats, found_inf, grad_norm = self.outputs
+        norm = float(grad_norm.item())
+        return stats, not bool(found_inf.item()), norm
