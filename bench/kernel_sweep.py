@@ -1,13 +1,15 @@
-"""Sweep the launch configurations of the Triton element-wise and LayerNorm kernels on the GPU.
+"""Sweep the launch configurations of the tiled Triton element-wise kernels on the GPU.
 
 For each kernel (bias+GeLU forward and backward, bias+dropout+add forward, LayerNorm forward and backward) and
 each model shape of bench/gpu_throughput.py, time every candidate configuration with ``triton.testing.do_bench``
 and report the best next to the current default, PyTorch eager and the memory-bandwidth floor.
 
-    python bench/kernel_sweep.py --out bench/results/kernel_sweep.json
+    python bench/kernel_sweep.py --out bench/results/kernel_sweep.json [--apply-layer-norm]
 
 The defaults live in ``TILE_CONFIG`` (megatron/core/fusions/_triton_elementwise.py) and ``LN_CONFIG``
-(_triton_layer_norm.py); this script only reads and temporarily overrides them.
+(_triton_layer_norm.py). ``--apply-layer-norm`` writes the LayerNorm configuration with the lowest summed
+slowdown over the shapes into ``LN_CONFIG``, with ``min_width`` set to the narrowest shape at which that
+configuration beat PyTorch's LayerNorm (forward + backward).
 """
 
 from __future__ import annotations
@@ -51,19 +53,22 @@ def sweep_tiled(name: str, fn) -> dict:
     return {"default": list(default), "default_ms": bench(fn), "results": results}
 
 
-def sweep_ln(keys: dict, fn) -> dict:
+LN_FWD = [(t, w) for t in (1024, 2048, 4096, 8192) for w in (2, 4, 8)]
+LN_BWD = [(t, w, p) for t in (1024, 2048, 4096) for w in (4, 8) for p in (1, 2, 4, 8)]
+
+
+def sweep_ln(key: str, candidates: list, fn) -> dict:
     import megatron.core.fusions._triton_layer_norm as L
 
-    default = dict(L.LN_CONFIG)
+    default = L.LN_CONFIG[key]
     results = []
     try:
-        for values in itertools.product(*keys.values()):
-            L.LN_CONFIG.update(dict(zip(keys, values)))
-            results.append({"config": dict(zip(keys, values)), "ms": bench(fn)})
-            L.LN_CONFIG.update(default)
+        for cand in candidates:
+            L.LN_CONFIG[key] = cand
+            results.append({"config": list(cand), "ms": bench(fn)})
     finally:
-        L.LN_CONFIG.update(default)
-    return {"default": {k: default[k] for k in keys}, "default_ms": bench(fn), "results": results}
+        L.LN_CONFIG[key] = default
+    return {"default": list(default), "default_ms": bench(fn), "results": results}
 
 
 def run(shape_name: str) -> list:
@@ -94,7 +99,6 @@ def run(shape_name: str) -> list:
             lambda: F.gelu(x + b), 2 * x.numel() * 2)
         add("bias_gelu bwd [t,4h]", sweep_tiled("gelu_bwd", lambda: E.bias_gelu_backward(dy, x, b)),
             None, 3 * x.numel() * 2)
-    del x, dy
     # bias + dropout(0) + residual over [tokens, h]
     x = torch.randn(tokens, h, device=dev, dtype=dt, generator=g)
     r = torch.randn_like(x)
@@ -106,25 +110,60 @@ def run(shape_name: str) -> list:
     # LayerNorm over [tokens, h]
     w = torch.randn(h, device=dev, dtype=dt, generator=g)
     with torch.no_grad():
-        add("layer_norm fwd [t,h]",
-            sweep_ln({"fwd_warp_divisor": [32, 64, 128, 256, 512, 1024]},
-                     lambda: LayerNormFunction.apply(x, w, bh, 1e-5, False)),
+        add("layer_norm fwd [t,h]", sweep_ln("fwd", LN_FWD, lambda: LayerNormFunction.apply(x, w, bh, 1e-5, False)),
             lambda: F.layer_norm(x, (h,), w, bh, 1e-5), 2 * x.numel() * 2)
-    xg = x.clone().requires_grad_()
-    wg, bg = w.clone().requires_grad_(), bh.clone().requires_grad_()
+    xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), bh.clone().requires_grad_()
     dyh = torch.randn_like(x)
     y = LayerNormFunction.apply(xg, wg, bg, 1e-5, False)
     y_ref = F.layer_norm(xg, (h,), wg, bg, 1e-5)
     add("layer_norm bwd [t,h]",
-        sweep_ln({"bwd_warp_divisor": [64, 128, 256, 512], "bwd_programs_per_sm": [2, 4, 8, 16, 32]},
-                 lambda: torch.autograd.grad(y, (xg, wg, bg), dyh, retain_graph=True)),
+        sweep_ln("bwd", LN_BWD, lambda: torch.autograd.grad(y, (xg, wg, bg), dyh, retain_graph=True)),
         lambda: torch.autograd.grad(y_ref, (xg, wg, bg), dyh, retain_graph=True), 3 * x.numel() * 2)
     return rows
+
+
+def choose_layer_norm(rows: list) -> dict:
+    """The LayerNorm configuration with the lowest summed slowdown over the shapes, and the narrowest width at
+    which it beats PyTorch's forward + backward."""
+    chosen, total = {}, {}
+    for part in ("fwd", "bwd"):
+        mine = [r for r in rows if r["op"] == f"layer_norm {part} [t,h]"]
+        score: dict = {}
+        for r in mine:
+            for res in r["all"]:
+                score[tuple(res["config"])] = score.get(tuple(res["config"]), 0.0) + res["ms"] / r["best_ms"]
+        chosen[part] = min(score, key=score.get)
+        for r in mine:
+            ms = next(res["ms"] for res in r["all"] if tuple(res["config"]) == chosen[part])
+            t = total.setdefault(r["shape"], [0.0, 0.0])
+            t[0], t[1] = t[0] + ms, t[1] + r["eager_ms"]
+    wins = [SHAPES[shape][1] for shape, (ours, torch_ms) in total.items() if ours < torch_ms]
+    losses = [SHAPES[shape][1] for shape, (ours, torch_ms) in total.items() if ours >= torch_ms]
+    min_width = min(wins) if wins else 10 ** 9
+    if losses and wins and max(losses) > min_width:
+        min_width = max(losses) + 1  # wins and losses interleave: only trust widths above every loss
+    return {"min_width": min_width, "fwd": chosen["fwd"], "bwd": chosen["bwd"], "per_shape_ms": total}
+
+
+def apply_layer_norm(choice: dict) -> None:
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron", "core", "fusions",
+                        "_triton_layer_norm.py")
+    src = open(path).read()
+    line = (f'LN_CONFIG = {{"min_width": {choice["min_width"]}, "fwd": {tuple(choice["fwd"])}, '
+            f'"bwd": {tuple(choice["bwd"])}}}')
+    new, n = re.subn(r"^LN_CONFIG = \{.*\}$", line, src, flags=re.M)
+    if n != 1:
+        raise RuntimeError(f"could not find the LN_CONFIG line in {path}")
+    open(path, "w").write(new)
+    print("applied:", line, flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="1.3b,124m")
+    p.add_argument("--apply-layer-norm", action="store_true", help="write the chosen LayerNorm config to the source")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "kernel_sweep.json"))
     a = p.parse_args()
@@ -147,9 +186,15 @@ def main():
         eager = f"{r['eager_ms']:.4f}" if r["eager_ms"] is not None else ""
         lines.append(f"| {r['shape']} | {r['op']} | {r['default']} | {r['default_ms']:.4f} | {r['best']} | "
                      f"{r['best_ms']:.4f} | {eager} | {r['floor_ms']:.4f} |")
+    choice = choose_layer_norm(rows)
+    lines += ["", f"LayerNorm choice (lowest summed slowdown; ours vs PyTorch fwd+bwd ms per shape "
+                  f"{choice['per_shape_ms']}): min_width {choice['min_width']}, fwd {list(choice['fwd'])}, "
+                  f"bwd {list(choice['bwd'])}" + (" (applied)" if a.apply_layer_norm else "")]
     with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if a.apply_layer_norm:
+        apply_layer_norm(choice)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
 """Triton LayerNorm over the last dimension, forward and backward, with optional zero-centred gamma.
 
-Forward: one program per row; mean and variance in fp32 from a single load of the row; saves the input, the
-per-row mean and 1/std (8 bytes a row), never the normalised output.
-Backward: each program walks a contiguous block of rows, writes dx row by row and accumulates dgamma/dbeta
-partial sums in fp32 registers; the partials ([programs, h]) are summed by one reduction at the end.
+Both kernels work on 2D tiles of ``BLOCK_M`` whole rows (``BLOCK_N`` >= the row length), so a program has
+several rows' loads in flight and reduces them together; one row per step was latency-bound on narrow rows
+(h = 768 ran at a fifth of memory bandwidth).
+
+Forward: mean and variance in fp32 from a single load of each row; saves the input, the per-row mean and 1/std
+(8 bytes a row), never the normalised output.
+Backward: each program walks a contiguous run of row tiles, writes dx and accumulates dgamma/dbeta partial sums
+in fp32 registers; the partials ([programs, h]) are summed by one reduction at the end.
 
 With ``zero_centered_gamma`` the stored weight is ``gamma - 1`` and the kernel adds the 1 itself (the gradient
 with respect to the stored weight equals the gradient with respect to gamma).
+
+``LN_CONFIG`` holds the launch choices; ``bench/kernel_sweep.py --apply-layer-norm`` measures alternatives against
+PyTorch's own LayerNorm on the GPU and writes the winner here, with ``min_width``: the narrowest swept row
+length at which this kernel beat PyTorch's (``ops.layer_norm`` uses PyTorch's kernel for narrower rows).
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-_MAX_FUSED_BYTES = 65536
+_MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
+
+# fwd: (elements per tile, num_warps); bwd: (elements per tile, num_warps, programs per multiprocessor)
+LN_CONFIG = {"min_width": 0, "fwd": (4096, 4), "bwd": (4096, 8, 4)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,71 +38,71 @@ def _sm_count(index: int) -> int:
 
 
 @triton.jit
-def _ln_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps,
-                   HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _ln_fwd_kernel(X, W, B, Y, MEAN, RSTD, M, N, eps, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
-    xc = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(xc * xc, axis=0) / N
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / N
     rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w += 1.0
-    y = xc * rstd * w
+    y = xc * rstd[:, None] * w[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @triton.jit
-def _ln_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride, M, N, rows_per_program,
-                   ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr):
+def _ln_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, TILES, ZERO_CENTERED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w += 1.0
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = pid * rows_per_program
-    for i in range(0, rows_per_program):
-        row = row_start + i
-        live = mask & (row < M)  # the last program may run past the final row
-        off = row.to(tl.int64) * stride
-        x = tl.load(X + off + cols, mask=live, other=0.0).to(tl.float32)
-        dy = tl.load(DY + off + cols, mask=live, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + row, mask=row < M, other=0.0)
-        rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
-        xhat = tl.where(live, (x - mean) * rstd, 0.0)
-        wdy = w * dy
-        c1 = tl.sum(xhat * wdy, axis=0) / N
-        c2 = tl.sum(wdy, axis=0) / N
-        dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=live)
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # reduced over rows once, at the end
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(0, TILES):
+        rows = (pid * TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        wdy = w[None, :] * dy
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += dy * xhat
-        db_acc += dy
-    tl.store(DW_PART + pid * N + cols, dw_acc, mask=mask)
-    tl.store(DB_PART + pid * N + cols, db_acc, mask=mask)
+        if HAS_BIAS:
+            db_acc += dy
+    tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+    if HAS_BIAS:
+        tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
 def triton_layer_norm_supported(x: torch.Tensor) -> bool:
-    """True when a row fits in one program (the fused kernels load a whole row at once)."""
-    return x.shape[-1] * 4 <= _MAX_FUSED_BYTES and x.numel() > 0
+    """True when rows are at least ``min_width`` wide and fit in one tile."""
+    return max(1, LN_CONFIG["min_width"]) <= x.shape[-1] <= _MAX_BLOCK_N and x.numel() > 0
 
 
-# Launch choices (bench/kernel_sweep.py measures alternatives): warps per row program is the row's padded length
-# divided by WARP_DIVISOR (1..16 warps); the backward runs BWD_PROGRAMS_PER_SM programs per multiprocessor.
-LN_CONFIG = {"fwd_warp_divisor": 256, "bwd_warp_divisor": 256, "bwd_programs_per_sm": 16}
-
-
-def _num_warps(block_n: int, divisor: int) -> int:
-    return min(max(block_n // divisor, 1), 16)
+def _block_m(tile_elems: int, block_n: int) -> int:
+    return max(1, tile_elems // block_n)
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -109,10 +120,12 @@ class LayerNormFunction(torch.autograd.Function):
         mean = torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block_n = triton.next_power_of_2(n)
-        _ln_fwd_kernel[(m,)](x2, weight, bias if bias is not None else weight, y, mean, rstd,
-                             x2.stride(0), y.stride(0), n, float(eps),
-                             HAS_BIAS=bias is not None, ZERO_CENTERED=bool(zero_centered_gamma),
-                             BLOCK_N=block_n, num_warps=_num_warps(block_n, LN_CONFIG["fwd_warp_divisor"]))
+        tile_elems, warps = LN_CONFIG["fwd"]
+        block_m = _block_m(tile_elems, block_n)
+        _ln_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x2, weight, bias if bias is not None else weight, y, mean, rstd, m, n, float(eps),
+            HAS_BIAS=bias is not None, ZERO_CENTERED=bool(zero_centered_gamma), BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=warps)
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias, ctx.zero_centered = bias is not None, bool(zero_centered_gamma)
         ctx.block_n, ctx.shape = block_n, x.shape
@@ -125,16 +138,19 @@ class LayerNormFunction(torch.autograd.Function):
         m, n = x2.shape
         dy2 = dy.reshape(m, n).contiguous()
         dx = torch.empty_like(x2)
+        tile_elems, warps, per_sm = LN_CONFIG["bwd"]
+        block_m = _block_m(tile_elems, ctx.block_n)
         sms = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
             if x2.is_cuda else 4
-        programs = max(1, min(m, LN_CONFIG["bwd_programs_per_sm"] * sms))  # enough rows in flight
-        rows_per_program = triton.cdiv(m, programs)
-        programs = triton.cdiv(m, rows_per_program)
+        row_tiles = triton.cdiv(m, block_m)
+        programs = max(1, min(row_tiles, per_sm * sms))
+        tiles = triton.cdiv(row_tiles, programs)
+        programs = triton.cdiv(row_tiles, tiles)
         dw_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device)
-        db_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device)
-        _ln_bwd_kernel[(programs,)](dy2, x2, weight, mean, rstd, dx, dw_part, db_part, x2.stride(0), m, n,
-                                    rows_per_program, ZERO_CENTERED=ctx.zero_centered, BLOCK_N=ctx.block_n,
-                                    num_warps=_num_warps(ctx.block_n, LN_CONFIG["bwd_warp_divisor"]))
+        db_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
+        _ln_bwd_kernel[(programs,)](dy2, x2, weight, mean, rstd, dx, dw_part, db_part, m, n, tiles,
+                                    ZERO_CENTERED=ctx.zero_centered, HAS_BIAS=ctx.has_bias, BLOCK_M=block_m,
+                                    BLOCK_N=ctx.block_n, num_warps=warps)
         dw = dw_part.sum(0).to(weight.dtype)
         db = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw, db, None, None
