@@ -34,9 +34,13 @@ PER_SM = [8, 16, 32, 64]
 
 
 def bench(fn) -> float:
-    from triton.testing import do_bench
+    """GPU time of one call: replayed from a CUDA graph, so Python and launch overhead (which the trainer hides
+    behind the GPU, or removes with --enable-cuda-graph) do not count."""
+    from triton.testing import do_bench_cudagraph
 
-    return float(do_bench(fn, warmup=10, rep=50))
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    return float(do_bench_cudagraph(fn, rep=50))
 
 
 def sweep_tiled(name: str, fn) -> dict:
@@ -71,7 +75,7 @@ def sweep_ln(key: str, candidates: list, fn) -> dict:
     return {"default": list(default), "default_ms": bench(fn), "results": results}
 
 
-def run(shape_name: str) -> list:
+def run(shape_name: str, only: str = "") -> list:
     from megatron.core.fusions import _triton_elementwise as E
     from megatron.core.fusions._triton_layer_norm import LayerNormFunction
 
@@ -90,35 +94,34 @@ def run(shape_name: str) -> list:
         print(f"{shape_name} {op}: default {r['default']} {r['default_ms']:.4f} ms, best {r['best']} "
               f"{r['best_ms']:.4f} ms, eager {r['eager_ms']}, floor {r['floor_ms']:.4f}", flush=True)
 
-    # bias + GeLU over [tokens, 4h]
     x = torch.randn(tokens, 4 * h, device=dev, dtype=dt, generator=g)
     b = torch.randn(4 * h, device=dev, dtype=dt, generator=g)
     dy = torch.randn_like(x)
-    with torch.no_grad():
-        add("bias_gelu fwd [t,4h]", sweep_tiled("gelu_fwd", lambda: E.BiasGeLUFunction.apply(x, b)),
-            lambda: F.gelu(x + b), 2 * x.numel() * 2)
-        add("bias_gelu bwd [t,4h]", sweep_tiled("gelu_bwd", lambda: E.bias_gelu_backward(dy, x, b)),
-            None, 3 * x.numel() * 2)
-    # bias + dropout(0) + residual over [tokens, h]
-    x = torch.randn(tokens, h, device=dev, dtype=dt, generator=g)
-    r = torch.randn_like(x)
+    xh = torch.randn(tokens, h, device=dev, dtype=dt, generator=g)
+    r = torch.randn_like(xh)
     bh = torch.randn(h, device=dev, dtype=dt, generator=g)
-    with torch.no_grad():
-        add("bias_dropout_add fwd p=0 [t,h]",
-            sweep_tiled("bda_fwd", lambda: E.BiasDropoutAddFunction.apply(x, bh, r, 0.0, True)),
-            lambda: r + (x + bh), 3 * x.numel() * 2)
-    # LayerNorm over [tokens, h]
     w = torch.randn(h, device=dev, dtype=dt, generator=g)
-    with torch.no_grad():
-        add("layer_norm fwd [t,h]", sweep_ln("fwd", LN_FWD, lambda: LayerNormFunction.apply(x, w, bh, 1e-5, False)),
-            lambda: F.layer_norm(x, (h,), w, bh, 1e-5), 2 * x.numel() * 2)
-    xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), bh.clone().requires_grad_()
-    dyh = torch.randn_like(x)
-    y = LayerNormFunction.apply(xg, wg, bg, 1e-5, False)
-    y_ref = F.layer_norm(xg, (h,), wg, bg, 1e-5)
-    add("layer_norm bwd [t,h]",
-        sweep_ln("bwd", LN_BWD, lambda: torch.autograd.grad(y, (xg, wg, bg), dyh, retain_graph=True)),
-        lambda: torch.autograd.grad(y_ref, (xg, wg, bg), dyh, retain_graph=True), 3 * x.numel() * 2)
+    if only in ("", "elementwise"):
+        with torch.no_grad():
+            add("bias_gelu fwd [t,4h]", sweep_tiled("gelu_fwd", lambda: E.BiasGeLUFunction.apply(x, b)),
+                lambda: F.gelu(x + b), 2 * x.numel() * 2)
+            add("bias_gelu bwd [t,4h]", sweep_tiled("gelu_bwd", lambda: E.bias_gelu_backward(dy, x, b)),
+                None, 3 * x.numel() * 2)
+            add("bias_dropout_add fwd p=0 [t,h]",
+                sweep_tiled("bda_fwd", lambda: E.BiasDropoutAddFunction.apply(xh, bh, r, 0.0, True)),
+                lambda: r + (xh + bh), 3 * xh.numel() * 2)
+    if only in ("", "layer_norm"):
+        with torch.no_grad():
+            add("layer_norm fwd [t,h]",
+                sweep_ln("fwd", LN_FWD, lambda: LayerNormFunction.apply(xh, w, bh, 1e-5, False)),
+                lambda: F.layer_norm(xh, (h,), w, bh, 1e-5), 2 * xh.numel() * 2)
+        xg, wg, bg = xh.clone().requires_grad_(), w.clone().requires_grad_(), bh.clone().requires_grad_()
+        dyh = torch.randn_like(xh)
+        y = LayerNormFunction.apply(xg, wg, bg, 1e-5, False)
+        y_ref = F.layer_norm(xg, (h,), wg, bg, 1e-5)
+        add("layer_norm bwd [t,h]",
+            sweep_ln("bwd", LN_BWD, lambda: torch.autograd.grad(y, (xg, wg, bg), dyh, retain_graph=True)),
+            lambda: torch.autograd.grad(y_ref, (xg, wg, bg), dyh, retain_graph=True), 3 * xh.numel() * 2)
     return rows
 
 
@@ -164,12 +167,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="1.3b,124m")
     p.add_argument("--apply-layer-norm", action="store_true", help="write the chosen LayerNorm config to the source")
+    p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm"], help="sweep only these kernels")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "kernel_sweep.json"))
     a = p.parse_args()
     rows = []
     for shape in a.shapes.split(","):
-        rows += run(shape)
+        rows += run(shape, a.only)
     import triton
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -179,21 +183,22 @@ def main():
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# Kernel launch sweep ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']})",
-             "", f"Command: `{meta['command']}`. Median ms per call (triton do_bench), bf16; floor = bytes / 4.3 TB/s.",
+             "", f"Command: `{meta['command']}`. GPU ms per call (triton do_bench_cudagraph), bf16; floor = bytes / 4.3 TB/s.",
              "", "| shape | op | default | default ms | best | best ms | eager ms | floor ms |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         eager = f"{r['eager_ms']:.4f}" if r["eager_ms"] is not None else ""
         lines.append(f"| {r['shape']} | {r['op']} | {r['default']} | {r['default_ms']:.4f} | {r['best']} | "
                      f"{r['best_ms']:.4f} | {eager} | {r['floor_ms']:.4f} |")
-    choice = choose_layer_norm(rows)
-    lines += ["", f"LayerNorm choice (lowest summed slowdown; ours vs PyTorch fwd+bwd ms per shape "
+    choice = choose_layer_norm(rows) if a.only in ("", "layer_norm") else None
+    if choice is not None:
+        lines += ["", f"LayerNorm choice (lowest summed slowdown; ours vs PyTorch fwd+bwd ms per shape "
                   f"{choice['per_shape_ms']}): min_width {choice['min_width']}, fwd {list(choice['fwd'])}, "
                   f"bwd {list(choice['bwd'])}" + (" (applied)" if a.apply_layer_norm else "")]
     with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if a.apply_layer_norm:
+    if a.apply_layer_norm and choice is not None:
         apply_layer_norm(choice)
 
 

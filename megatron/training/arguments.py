@@ -150,7 +150,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-activations", action="store_true", help="same as --recompute-granularity selective")
     g.add_argument("--recompute-granularity", default=None, choices=["selective", "full"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full: layers per recomputed group (uniform) or recomputed layers per stage (block); "
+                        "selective: recompute only in the first N layers of each stage (default all)")
     g.add_argument("--recompute-modules", nargs="+", default=["core_attn", "mlp_act"],
                    choices=["core_attn", "mlp_act"],
                    help="what --recompute-granularity selective recomputes: the attention core and/or the MLP's "

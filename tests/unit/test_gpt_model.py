@@ -121,3 +121,16 @@ def test_recompute_gives_same_gradients(granularity, method):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7)
+
+
+def test_selective_recompute_limited_to_first_layers():
+    ps = ParallelState.single()
+    cfg = _config(num_layers=3, recompute_granularity="selective", recompute_num_layers=2,
+                  recompute_modules=("mlp_act",))
+    model = GPTModel(cfg, ps)
+    flags = [(layer.self_attention.recompute_core, layer.mlp.recompute_gelu) for layer in model.decoder.layers]
+    assert flags == [(False, True), (False, True), (False, False)]
+    every = GPTModel(_config(num_layers=3, recompute_granularity="selective"), ps)
+    assert all(layer.mlp.recompute_gelu and layer.self_attention.recompute_core for layer in every.decoder.layers)
+    with pytest.raises(ValueError, match="--recompute-num-layers must be >= 1"):
+        _config(num_layers=3, recompute_granularity="selective", recompute_num_layers=0)

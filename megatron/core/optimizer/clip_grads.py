@@ -70,15 +70,6 @@ def global_grad_norm_tensor(grads_for_norm: List[torch.Tensor], groups: Iterable
     return total.sqrt()
 
 
-def clip_grads_by_norm_tensor(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """:func:`clip_grads_by_total_norm` with the norm on the device: multiply by ``min(1, coeff)`` as a tensor
-    (multiplying by exactly 1.0 leaves a gradient unchanged, so the result equals the host-side version)."""
-    if max_norm <= 0 or not grads:
-        return
-    coeff = (max_norm / (total_norm + 1.0e-6)).clamp(max=1.0).to(torch.float32).reshape(())
-    torch._foreach_mul_(grads, coeff)
-
-
 def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> None:
     """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (as torch does)."""
     if max_norm <= 0 or not grads:

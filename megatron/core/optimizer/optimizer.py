@@ -18,8 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron.core.optimizer.clip_grads import (
-    clip_grads_by_norm_tensor, clip_grads_by_total_norm, found_inf_in, global_grad_norm, global_grad_norm_tensor,
-    param_counts_for_norm,
+    clip_grads_by_total_norm, found_inf_in, global_grad_norm, global_grad_norm_tensor, param_counts_for_norm,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
@@ -92,11 +91,29 @@ class MegatronOptimizer(abc.ABC):
         if not math.isfinite(grad_norm):
             self._release_grads()
             return False, grad_norm, None
-        clip_grads_by_total_norm(self._main_grads(), self.config.clip_grad, grad_norm)
-        self.optimizer.step()
+        if self._torch_fused() and self.config.clip_grad > 0:
+            # clipping folded into the fused update: it divides every grad by grad_scale (saves a pass over them)
+            coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
+            inv = torch.full((), 1.0 / coeff, dtype=torch.float32, device=self.device) if coeff < 1.0 else None
+            self._torch_step(grad_scale=inv)
+        else:
+            clip_grads_by_total_norm(self._main_grads(), self.config.clip_grad, grad_norm)
+            self.optimizer.step()
         self._release_grads()
         self._copy_main_params_to_model()
         return True, grad_norm, None
+
+    def _torch_fused(self) -> bool:
+        """True for torch's fused Adam/AdamW, whose step honours ``grad_scale`` and ``found_inf``."""
+        return isinstance(self.optimizer, torch.optim.Optimizer) and bool(self.optimizer.defaults.get("fused"))
+
+    def _torch_step(self, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
+        """The fused torch optimizer's step, dividing the grads by ``grad_scale`` and skipping when ``found_inf``."""
+        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale, self.optimizer.found_inf
 
     @torch.no_grad()
     def step_without_sync(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -108,17 +125,15 @@ class MegatronOptimizer(abc.ABC):
         """
         if self.grad_scaler is not None:
             raise ValueError("a host-synchronisation-free step needs --bf16 or fp32 (no fp16 loss scaling)")
-        if not self.optimizer.defaults.get("fused"):
+        if not self._torch_fused():
             raise ValueError("a host-synchronisation-free step needs the fused AdamW optimizer")
         self._copy_model_grads_to_main()
         grad_norm = global_grad_norm_tensor(self._grads_for_norm(), self._reduce_groups(), self.device)
         found_inf = (~torch.isfinite(grad_norm)).to(torch.float32).reshape(())  # 0-dim, as torch expects
-        clip_grads_by_norm_tensor(self._main_grads(), self.config.clip_grad, grad_norm)
-        self.optimizer.found_inf = found_inf
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf
+        inv_coeff = None
+        if self.config.clip_grad > 0:  # 1 / min(1, clip / (norm + 1e-6)), applied by the fused update
+            inv_coeff = ((grad_norm + 1.0e-6) / self.config.clip_grad).clamp(min=1.0).to(torch.float32).reshape(())
+        self._torch_step(grad_scale=inv_coeff, found_inf=found_inf)
         self._release_grads()
         self._copy_main_params_to_model()
         return found_inf, grad_norm

@@ -21,6 +21,9 @@ class TransformerBlock(nn.Module):
       activation kept; the group is recomputed in backward.
     - ``block``: the first ``recompute_num_layers`` layers of this stage are recomputed one by one; the rest keep
       their activations (trade memory for time per stage).
+
+    Selective recomputation with ``recompute_num_layers`` set applies to the first that many layers of the stage
+    only (an extension: Megatron-LM applies selective recomputation to every layer).
     """
 
     def __init__(
@@ -31,6 +34,11 @@ class TransformerBlock(nn.Module):
         self.config = config
         self.layers = nn.ModuleList([TransformerLayer(config, pstate) for _ in range(num_layers)])
         self.final_layernorm: Optional[LayerNorm] = LayerNorm(config) if post_layer_norm else None
+        if config.recompute_granularity == "selective" and config.recompute_num_layers is not None:
+            # selective recomputation in the first N layers of this stage only (memory for time, layer by layer)
+            for layer in self.layers[config.recompute_num_layers:]:
+                layer.self_attention.recompute_core = False
+                layer.mlp.recompute_gelu = False
         self._layer_fns = [torch.compile(layer) if use_torch_compile else layer for layer in self.layers]
         if config.recompute_granularity == "full":
             n = config.recompute_num_layers or 1

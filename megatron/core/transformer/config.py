@@ -56,6 +56,8 @@ class TransformerConfig:
             raise ValueError(f"--recompute-granularity must be selective or full, got {self.recompute_granularity}")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
         self.recompute_modules = tuple(self.recompute_modules)
         unknown = sorted(set(self.recompute_modules) - {"core_attn", "mlp_act"})
         if unknown:

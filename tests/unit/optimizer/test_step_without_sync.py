@@ -1,8 +1,10 @@
-"""``step_without_sync()`` (the update a CUDA graph captures) does what ``step()`` does, without reading anything
-back to the host: same grad norm, same clipping, same AdamW update, and a skipped update on a non-finite norm.
+"""The fused-AdamW steps fold gradient clipping into the update (``grad_scale`` = 1 / clip coefficient) instead of
+multiplying every gradient first: ``step()`` on a fused optimizer and ``step_without_sync()`` (the update a CUDA
+graph captures, with nothing read back to the host) must both match the plain "multiply the grads, then step"
+reference: same grad norm, same clipping, same update, and a skipped update on a non-finite norm.
 
-The reference is ``step()`` with torch's AdamW on an identical copy of the model; both optimizers are fused
-AdamW here (CPU fused kernels), so the updates agree to float32 rounding.
+The reference drives the same fused AdamW kernel (CPU fused kernels) through the multiply path, so the results
+agree to float32 rounding (dividing by 1/c instead of multiplying by c).
 """
 
 import pytest
@@ -18,28 +20,40 @@ def _model_and_optimizer(dtype, capturable, clip):
     cfg = OptimizerConfig(lr=1e-2, clip_grad=clip, weight_decay=0.1, bf16=dtype == torch.bfloat16,
                           capturable=capturable)
     opt = get_megatron_optimizer(cfg, [model], ParallelState.single())
-    if not capturable:  # the same fused kernel as the capturable optimizer, driven by step()
+    if not capturable:  # the same fused kernel, driven through the multiply-then-step path of step()
         for group in opt.optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
     return model, opt
 
 
+def _assert_close_models(a, b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clip", [0.0, 0.5, 1e6])
-def test_matches_step(dtype, clip):
+def test_fused_steps_match_multiply_then_step(dtype, clip):
     ref_model, ref_opt = _model_and_optimizer(dtype, False, clip)
-    model, opt = _model_and_optimizer(dtype, True, clip)
+    eager_model, eager_opt = _model_and_optimizer(dtype, True, clip)  # step() on the fused optimizer
+    model, opt = _model_and_optimizer(dtype, True, clip)  # step_without_sync()
     x = torch.randn(32, 8).to(dtype)
+    clipped = 0
     for _ in range(4):
-        for m, o in ((ref_model, ref_opt), (model, opt)):
+        for m, o in ((ref_model, ref_opt), (eager_model, eager_opt), (model, opt)):
             o.zero_grad()
             m(x).float().pow(2).sum().backward()
         ok, ref_norm, _ = ref_opt.step()
+        ok_eager, eager_norm, _ = eager_opt.step()
         found_inf, norm = opt.step_without_sync()
-        assert ok and found_inf.item() == 0.0
+        assert ok and ok_eager and found_inf.item() == 0.0
+        assert eager_norm == pytest.approx(ref_norm, rel=1e-6)
         assert norm.item() == pytest.approx(ref_norm, rel=1e-6)
-    for p, q in zip(ref_model.parameters(), model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        clipped += int(0 < clip < ref_norm)
+    if clip == 0.5:
+        assert clipped == 4  # the clipping path was exercised
+    _assert_close_models(ref_model, eager_model)
+    _assert_close_models(ref_model, model)
 
 
 def test_non_finite_norm_skips_the_update():
