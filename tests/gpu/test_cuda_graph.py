@@ -49,3 +49,13 @@ def test_graph_with_gradient_accumulation_and_compile(prefix):
     eager = losses(_args(prefix, micro_batch_size=2, use_torch_compile=True))
     graph = losses(_args(prefix, micro_batch_size=2, use_torch_compile=True, enable_cuda_graph=True))
     assert_same_losses(eager, graph, rel=1e-4, keys=("lm loss", "grad norm"))
+
+
+def test_eager_checkpoint_resumes_under_the_graph(prefix, tmp_path):
+    """A checkpoint written without the graph (non-capturable fused AdamW) resumes with --enable-cuda-graph: the
+    loaded optimizer takes this run's capturable flag, and the curve continues."""
+    straight = losses(_args(prefix))
+    ckpt = str(tmp_path / "ckpt")
+    first = losses(_args(prefix, save=ckpt, exit_interval=6))
+    second = losses(_args(prefix, enable_cuda_graph=True, cuda_graph_warmup_steps=2, load=ckpt))
+    assert_same_losses(straight, {**first, **second}, rel=1e-4, keys=("lm loss",))

@@ -203,7 +203,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 ids.append(pid)
                 pid += 1
             torch_groups.append(dict(saved_group, params=ids))
-        self.optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+        self._load_torch_state({"state": torch_state, "param_groups": torch_groups})
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         # the model params must hold the loaded main params (the owned pieces, then all-gathered)

@@ -138,6 +138,26 @@ class MegatronOptimizer(abc.ABC):
         self._copy_main_params_to_model()
         return found_inf, grad_norm
 
+    def _load_torch_state(self, state: dict) -> None:
+        """Load the torch optimizer's state dict, keeping this run's implementation choices.
+
+        torch restores every param-group entry from the checkpoint, including ``fused``/``foreach``/``capturable``;
+        a checkpoint written on the CPU (foreach) or without ``--enable-cuda-graph`` would then switch this run's
+        optimizer implementation (and a captured step refuses a non-capturable group). Hyperparameters come from
+        the checkpoint, the implementation from this run, and ``step`` counters move where it expects them.
+        """
+        self.optimizer.load_state_dict(state)
+        defaults = self.optimizer.defaults
+        for group in self.optimizer.param_groups:
+            for key in ("fused", "foreach", "capturable"):
+                if key in defaults:
+                    group[key] = defaults[key]
+            on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+            for p in group["params"]:
+                st = self.optimizer.state.get(p)
+                if st and torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
+
     def reload_model_params(self) -> None:
         """Refresh the main params from the model params (after loading a model-only checkpoint)."""
 
@@ -219,7 +239,7 @@ class FP32Optimizer(MegatronOptimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         _check_not_distributed(state_dict)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._load_torch_state(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -295,7 +315,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         if "fp32_from_fp16_params" not in state_dict:
             raise ValueError("optimizer checkpoint holds no fp32 main params (saved without --bf16/--fp16?); "
                              "use --no-load-optim")
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._load_torch_state(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         saved = state_dict["fp32_from_fp16_params"]

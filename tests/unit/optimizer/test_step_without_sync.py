@@ -79,3 +79,38 @@ def test_needs_no_loss_scaler():
     opt = get_megatron_optimizer(OptimizerConfig(fp16=True), [model], ParallelState.single())
     with pytest.raises(ValueError, match="no fp16 loss scaling"):
         opt.step_without_sync()
+
+
+@pytest.mark.parametrize("save_capturable", [False, True])
+def test_checkpoint_keeps_this_runs_implementation(save_capturable):
+    """An optimizer checkpoint moves between a plain (foreach) and a capturable fused run: hyperparameters and
+    state come from the checkpoint, the implementation flags from the loading run, and both keep training."""
+    src_model, src = _model_and_optimizer(torch.float32, save_capturable, 1.0)
+    if not save_capturable:
+        for group in src.optimizer.param_groups:
+            group["fused"], group["foreach"] = None, True  # the CPU default
+    x = torch.randn(32, 8)
+    src.zero_grad()
+    src_model(x).pow(2).sum().backward()
+    src.step()
+    state = src.state_dict()
+    dst_model, dst = _model_and_optimizer(torch.float32, not save_capturable, 1.0)
+    if save_capturable:
+        for group in dst.optimizer.param_groups:
+            group["fused"], group["foreach"] = None, True
+        dst.optimizer.defaults.update(fused=None, foreach=True, capturable=False)
+    dst.load_state_dict(state)
+    for group in dst.optimizer.param_groups:
+        assert group["capturable"] == (not save_capturable)
+        assert bool(group["fused"]) == (not save_capturable)
+        assert group["lr"] == 1e-2 and group["weight_decay"] in (0.1, 0.0)
+    steps = {dst.optimizer.state[p]["step"].item() for p in dst.optimizer.state}
+    assert steps == {1.0}
+    dst_model.load_state_dict(src_model.state_dict())
+    dst.zero_grad()
+    dst_model(x).pow(2).sum().backward()
+    if save_capturable:
+        assert dst.step()[0]
+    else:
+        assert dst.step_without_sync()[0].item() == 0.0
+    assert {dst.optimizer.state[p]["step"].item() for p in dst.optimizer.state} == {2.0}
