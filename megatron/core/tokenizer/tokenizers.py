@@ -16,6 +16,7 @@ WordPiece (``vocab.txt``, BERT's basic tokenizer then greedy longest-match-first
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 from typing import Iterable, List, Optional, Sequence
@@ -30,7 +31,7 @@ TOKENIZER_TYPES = (
 )
 
 
-class _HFBackedTokenizer:
+class _HFBackedTokenizer(abc.ABC):
     """Common behaviour of the tokenizers: a ``tokenizers.Tokenizer`` plus Megatron's special ids."""
 
     name = "abstract"
@@ -50,8 +51,9 @@ class _HFBackedTokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
     @property
+    @abc.abstractmethod
     def eod(self) -> int:
-        raise NotImplementedError  # every concrete tokenizer below defines it
+        """The end-of-document id (each concrete tokenizer defines it)."""
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of one text."""
