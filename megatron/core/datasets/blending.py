@@ -14,6 +14,7 @@ is disabled so the C arithmetic equals Python's (and Megatron's) double arithmet
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from typing import Optional, Sequence, Tuple
 
@@ -53,23 +54,15 @@ void blend_exhaustive(const int64_t *sizes, const double *w, int32_t n, int64_t 
 }
 """
 
-_LIB = None
-_LIB_TRIED = False
-
-
+@functools.lru_cache(maxsize=None)
 def _load_c() -> Optional[ctypes.CDLL]:
-    """Compile (once per user and source version) and load the C loop; None when impossible."""
-    global _LIB, _LIB_TRIED
-    if _LIB_TRIED:
-        return _LIB
-    _LIB_TRIED = True
+    """Compile (once per user and source version) and load the C loop, once per process; None when impossible."""
     lib = load_c_library("blending", _C_SOURCE, extra_flags=("-ffp-contract=off",))
     if lib is None:
         return None
     p = ctypes.c_void_p
     lib.blend.argtypes = [p, ctypes.c_int32, ctypes.c_int64, p, p, p]
     lib.blend_exhaustive.argtypes = [p, p, ctypes.c_int32, ctypes.c_int64, p, p, p]
-    _LIB = lib
     return lib
 
 

@@ -19,22 +19,18 @@ length at which this kernel beat PyTorch's (``ops.layer_norm`` uses PyTorch's ke
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from megatron.core.fusions._triton_elementwise import _sm_count
+
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
 
 # fwd: (elements per tile, num_warps); bwd: (elements per tile, num_warps, programs per multiprocessor)
 LN_CONFIG = {"min_width": 0, "fwd": (4096, 4), "bwd": (4096, 8, 4)}
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit

@@ -12,6 +12,7 @@ NumPy path runs instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Optional, Tuple
 
 import numpy as np
@@ -73,16 +74,10 @@ void gather_ids(const int64_t *row, int64_t npieces, const int64_t *off, const i
 }
 """
 
-_LIB: Optional[ctypes.CDLL] = None
-_TRIED = False
-
-
+@functools.lru_cache(maxsize=None)
 def load() -> Optional[ctypes.CDLL]:
-    """Compile (once per user and source version) and load the loop; None when impossible or disabled."""
-    global _LIB, _TRIED
-    if _TRIED:
-        return _LIB
-    _TRIED = True
+    """Compile (once per user and source version) and load the loop, once per process; None when impossible or
+    disabled."""
     lib = load_c_library("gpt2_pieces", _C_SOURCE)
     if lib is None:
         return None
@@ -91,7 +86,6 @@ def load() -> Optional[ctypes.CDLL]:
     lib.hash_find.restype = ctypes.c_int64
     lib.gather_ids.argtypes = [p, ctypes.c_int64, p, p, p, p]
     lib.gather_ids.restype = None
-    _LIB = lib
     return lib
 
 
