@@ -57,7 +57,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", default="local")
     g.add_argument("--use-mcore-models", action="store_true", help="accepted; models always use Megatron-Core names")
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="auto: PyTorch's SDPA picks the kernel; flash: SDPA's flash kernel only; fused: SDPA's "
+                        "cuDNN kernel only (flash and fused need CUDA); unfused/local: explicit "
+                        "scale-mask-softmax")
     g.add_argument("--use-flash-attn", action="store_true", help="accepted; attention uses SDPA by default")
 
     g = p.add_argument_group("regularisation")
@@ -322,8 +325,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.enable_cuda_graph:
         _check_cuda_graph_args(args, world_size)
     args.params_dtype = "bfloat16" if args.bf16 else ("float16" if args.fp16 else "float32")
-    args.attention_backend = "unfused" if (args.attention_backend in ("unfused", "local")
-                                           or args.no_masked_softmax_fusion) else "sdpa"
+    if args.no_masked_softmax_fusion:
+        args.attention_backend = "unfused"
+    args.attention_backend = {"auto": "sdpa", "flash": "flash", "fused": "cudnn", "unfused": "unfused",
+                              "local": "unfused"}[args.attention_backend]
     return args
 
 

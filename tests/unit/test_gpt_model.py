@@ -65,6 +65,19 @@ def test_gpt_matches_plain_reference(backend):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_single_kernel_backends_refuse_cpu_tensors(backend):
+    model = GPTModel(_config(attention_backend=backend), ParallelState.single())
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"attention backend {backend} needs CUDA"):
+        model(ids, torch.arange(16).expand(2, 16))
+
+
+def test_unknown_attention_backend_is_named():
+    with pytest.raises(ValueError, match="attention backend must be one of sdpa, flash, cudnn, unfused, got xformers"):
+        _config(attention_backend="xformers")
+
+
 def test_parameter_names_follow_megatron_core():
     cfg = _config(num_layers=1)
     names = set(GPTModel(cfg, ParallelState.single()).state_dict())

@@ -96,6 +96,13 @@ def test_derived_values():
     assert b.train_iters == 20
 
 
+@pytest.mark.parametrize("flag,backend", [("auto", "sdpa"), ("flash", "flash"), ("fused", "cudnn"),
+                                          ("unfused", "unfused"), ("local", "unfused")])
+def test_attention_backend_flag_maps_to_a_kernel(flag, backend):
+    assert parse_args(BASE + ["--attention-backend", flag]).attention_backend == backend
+    assert parse_args(BASE + ["--attention-backend", flag, "--no-masked-softmax-fusion"]).attention_backend == "unfused"
+
+
 def test_flops_formula_matches_megatron_per_token_count():
     class A:
         hidden_size, num_layers, seq_length, ffn_hidden_size, padded_vocab_size = 2048, 24, 2048, 8192, 50304

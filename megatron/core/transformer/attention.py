@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions import scaled_masked_softmax
@@ -39,12 +40,20 @@ def unfused_causal_attention(
     return torch.matmul(probs, v)
 
 
+_SDPA_ONLY = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
 class CoreAttention(nn.Module):
-    """softmax(QK^T / sqrt(d)) V with a causal mask; the part selective recomputation recomputes."""
+    """softmax(QK^T / sqrt(d)) V with a causal mask; the part selective recomputation recomputes.
+
+    Backends: ``sdpa`` lets PyTorch choose among its kernels; ``flash`` and ``cudnn`` restrict SDPA to that one
+    kernel (an error, not a silent fallback, when it cannot run the inputs); ``unfused`` is the explicit path.
+    """
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = config
+        self.only_kernel = _SDPA_ONLY.get(config.attention_backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [s, b, n, d] -> context [s, b, n*d]
@@ -55,7 +64,13 @@ class CoreAttention(nn.Module):
         # dropout there is nothing to draw, and skipping the fork keeps torch.compile graphs whole.
         rng = tensor_parallel.get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext()
         with rng:
-            if self.config.attention_backend == "sdpa":
+            if self.only_kernel is not None:
+                if not q.is_cuda:
+                    raise ValueError(f"attention backend {self.config.attention_backend} needs CUDA tensors; "
+                                     "use --attention-backend auto or unfused on this device")
+                with sdpa_kernel(self.only_kernel):
+                    ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            elif self.config.attention_backend == "sdpa":
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             else:
                 ctx = unfused_causal_attention(q, k, v, p, use_fused_softmax=self.config.use_fused_kernels)

@@ -8,6 +8,9 @@ from typing import Optional, Tuple
 import torch
 
 
+ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
+
+
 @dataclass
 class TransformerConfig:
     num_layers: int
@@ -31,7 +34,8 @@ class TransformerConfig:
     recompute_num_layers: Optional[int] = None
     # what "selective" recomputes: "core_attn" (softmax(QK^T)V) and/or "mlp_act" (the MLP's GeLU output)
     recompute_modules: Tuple[str, ...] = ("core_attn", "mlp_act")
-    # kernels: "sdpa" (torch scaled_dot_product_attention) or "unfused" (explicit scale-mask-softmax)
+    # attention kernels: "sdpa" (torch scaled_dot_product_attention, PyTorch picks the kernel), "flash" or "cudnn"
+    # (SDPA restricted to that kernel; CUDA only), or "unfused" (explicit scale-mask-softmax)
     attention_backend: str = "sdpa"
     use_fused_kernels: bool = True  # fused element-wise kernels on CUDA; plain PyTorch elsewhere
     # weight-gradient GEMMs accumulate straight into the fp32 main_grad buffer (CUDA; a no-op elsewhere)
@@ -62,8 +66,9 @@ class TransformerConfig:
         unknown = sorted(set(self.recompute_modules) - {"core_attn", "mlp_act"})
         if unknown:
             raise ValueError(f"--recompute-modules accepts core_attn and mlp_act, got {', '.join(unknown)}")
-        if self.attention_backend not in ("sdpa", "unfused"):
-            raise ValueError(f"attention backend must be sdpa or unfused, got {self.attention_backend}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend}")
 
     def recomputes(self, module: str) -> bool:
         """True when selective recomputation covers ``module`` ("core_attn" or "mlp_act")."""
