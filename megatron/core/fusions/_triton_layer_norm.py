@@ -30,7 +30,7 @@ from megatron.core.fusions._triton_elementwise import _sm_count
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
 
 # fwd: (elements per tile, num_warps); bwd: (elements per tile, num_warps, programs per multiprocessor)
-LN_CONFIG = {"min_width": 0, "fwd": (4096, 4), "bwd": (4096, 8, 4)}
+LN_CONFIG = {"min_width": 768, "fwd": (2048, 2), "bwd": (4096, 8, 2)}
 
 
 @triton.jit
