@@ -24,7 +24,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--train-data-path": "separate train/valid/test data paths (use --data-path with --split)",
     "--valid-data-path": "separate train/valid/test data paths (use --data-path with --split)",
     "--test-data-path": "separate train/valid/test data paths (use --data-path with --split)",
-    "--fp8-format": "FP8 training",
+    "--fp8-amax-history-len": "delayed FP8 scaling (FP8 here scales each tensor by its own amax: tensorwise)",
+    "--fp8-amax-compute-algo": "delayed FP8 scaling (FP8 here scales each tensor by its own amax: tensorwise)",
+    "--fp8-param-gather": "FP8 parameter all-gather",
     "--tp-comm-overlap": "Transformer Engine communication overlap",
     "--use-dist-ckpt": "distributed (torch_dist) checkpoints; checkpoints are per-rank torch files",
     "--lr-warmup-samples": "sample-based warm-up (use --lr-warmup-iters or --lr-warmup-fraction)",
@@ -37,6 +39,7 @@ UNSUPPORTED_CHOICES = {
     "--normalization": ("LayerNorm",),
     "--transformer-impl": ("local",),
     "--ckpt-format": ("torch",),
+    "--fp8-recipe": ("tensorwise",),
 }
 
 
@@ -96,6 +99,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
+                   help="FP8 GEMMs in the transformer layers' linears (needs --bf16 and an FP8 GPU, sm89+): e4m3 "
+                        "everywhere, or hybrid (E5M2 output gradients)")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise"],
+                   help="FP8 scaling: tensorwise = each tensor scaled by its own current amax")
+    g.add_argument("--fp8-margin", type=int, default=0, help="FP8 scale = fp8_max / amax / 2^margin")
 
     g = p.add_argument_group("batches and schedule")
     g.add_argument("--micro-batch-size", type=int, required=True)
@@ -216,6 +225,26 @@ def _check_cuda_graph_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--cuda-graph-warmup-steps must be >= 1, got {args.cuda_graph_warmup_steps}")
 
 
+def _check_fp8_args(args: argparse.Namespace, tp: int) -> None:
+    """--fp8-format: bf16 master run, eager layers, and GEMM sizes cuBLAS FP8 accepts (multiples of 16)."""
+    if not args.bf16:
+        _fail("--fp8-format needs --bf16 (FP8 GEMMs inside a bf16 model)")
+    if args.use_torch_compile:
+        _fail("--fp8-format does not combine with --use-torch-compile")
+    if args.fp8_margin < 0:
+        _fail(f"--fp8-margin must be >= 0, got {args.fp8_margin}")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        _fail(f"--fp8-format needs an FP8 GPU (compute capability 8.9 or newer), this one is {major}.{minor}")
+    seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
+    sizes = {"--micro-batch-size x --seq-length" + (" / tp" if args.sequence_parallel else ""):
+             args.micro_batch_size * seq, "--hidden-size / tp": args.hidden_size // tp,
+             "--ffn-hidden-size / tp": args.ffn_hidden_size // tp, "--hidden-size": args.hidden_size}
+    bad = [f"{name} = {v}" for name, v in sizes.items() if v % 16]
+    if bad:
+        _fail(f"--fp8-format needs GEMM sizes that are multiples of 16: {', '.join(bad)}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check consistency and fill derived values; raise ``ValueError`` naming the flag and the numbers."""
     from megatron.core.parallel_state import validate_parallel_sizes
@@ -324,6 +353,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if args.enable_cuda_graph:
         _check_cuda_graph_args(args, world_size)
+    if args.fp8_format is not None:
+        _check_fp8_args(args, tp)
     args.params_dtype = "bfloat16" if args.bf16 else ("float16" if args.fp16 else "float32")
     if args.no_masked_softmax_fusion:
         args.attention_backend = "unfused"

@@ -1,4 +1,7 @@
-"""bf16 and fp16 training through pretrain_gpt.py on CPU: the loss falls; fp16 overflows skip and halve the scale."""
+"""bf16, FP8 and fp16 training through pretrain_gpt.py on CPU: the loss falls; FP8 tracks bf16 (also under TP+SP);
+fp16 overflows skip and halve the scale."""
+
+import pytest
 
 from tests.functional.harness import gpt_args, losses
 
@@ -8,6 +11,17 @@ def test_bf16_trains_and_tracks_fp32(data_prefix, baseline):
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
     for it in run:  # bf16 weights/activations with fp32 main params stay close to the fp32 curve
         assert abs(run[it]["lm loss"] - baseline[it]["lm loss"]) < 0.05, it
+    assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
+
+
+@pytest.mark.parametrize("fmt,tp", [("hybrid", 1), ("e4m3", 1), ("hybrid", 2)])
+def test_fp8_trains_and_tracks_bf16(data_prefix, fmt, tp):
+    bf16 = losses(gpt_args(data_prefix, bf16=True))  # single-process bf16 reference
+    extra = {"sequence_parallel": True} if tp > 1 else {}
+    run = losses(gpt_args(data_prefix, tp=tp, bf16=True, fp8_format=fmt, **extra), nproc=tp)
+    assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
+    for it in run:  # FP8 GEMMs (3 or 2 mantissa bits) on top of bf16 stay close to the bf16 curve
+        assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < 0.05, it
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 

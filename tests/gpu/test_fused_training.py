@@ -59,3 +59,15 @@ def test_fused_and_unfused_losses_match(data_prefix):
     for i, (a, b) in enumerate(zip(fused, unfused)):
         assert abs(a - b) < 2e-2 * b, f"iteration {i + 1}: fused {a} vs unfused {b}"
     assert sum(fused[-5:]) / 5 < fused[0] - 2.0  # and it learns
+
+
+@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective", "--recompute-modules", "mlp_act"],
+                                   ["--enable-cuda-graph"]], ids=["eager", "gelu-recompute", "cuda-graph"])
+def test_fp8_hybrid_tracks_bf16(data_prefix, extra):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9+")
+    bf16 = _train(data_prefix, ["--cross-entropy-loss-fusion"])
+    fp8 = _train(data_prefix, ["--cross-entropy-loss-fusion", "--fp8-format", "hybrid", *extra])
+    for i, (a, b) in enumerate(zip(fp8, bf16)):
+        assert abs(a - b) < 3e-2 * b, f"iteration {i + 1}: fp8 {a} vs bf16 {b}"
+    assert sum(fp8[-5:]) / 5 < fp8[0] - 2.0

@@ -81,6 +81,12 @@ def _err(capsys, argv, world=1):
     (["--num-experts", "8"], 1, "--num-experts is a Megatron-LM flag this framework does not support"),
     (["--position-embedding-type", "rope"], 1, "--position-embedding-type rope is not supported"),
     (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
+    (["--fp8-format", "hybrid"], 1, "--fp8-format needs --bf16"),
+    (["--fp8-format", "hybrid", "--bf16", "--use-torch-compile"], 1, "does not combine with --use-torch-compile"),
+    (["--fp8-format", "e4m3", "--bf16", "--seq-length", "20", "--max-position-embeddings", "20"], 1,
+     "multiples of 16: --micro-batch-size x --seq-length = 40"),
+    (["--fp8-recipe", "delayed"], 1, "--fp8-recipe delayed is not supported; supported: tensorwise"),
+    (["--fp8-amax-history-len", "1024"], 1, "delayed FP8 scaling"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "18",
       "--max-position-embeddings", "18"], 4, "--seq-length (18) must be divisible"),
 ])

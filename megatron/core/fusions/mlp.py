@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions import ops
+from megatron.core.fusions import fp8, ops
 from megatron.core.fusions.linear import _accumulate_wgrad
 
 
@@ -42,47 +42,73 @@ def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tens
 class BiasGeLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor, fused: bool,
-                accumulate_into_main_grad: bool):
+                accumulate_into_main_grad: bool, fp8_format: Optional[str], fp8_margin: int):
         g = _gelu_forward(x, bias, fused)  # [s, b, ffn] temporary, freed after the GEMM
-        out = F.linear(g, weight)  # [s, b, h] (partial under TP)
-        ctx.fused = fused
+        ctx.fused, ctx.fp8_format, ctx.fp8_margin = fused, fp8_format, fp8_margin
         ctx.weight, ctx.accumulate_into_main_grad = weight, accumulate_into_main_grad
-        ctx.save_for_backward(x, bias, weight) if bias is not None else ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        saved = (x, bias, weight) if bias is not None else (x, weight)
+        if fp8_format is None:
+            out = F.linear(g, weight)  # [s, b, h] (partial under TP)
+        else:  # FP8 GEMM; the backward re-quantizes the recomputed GeLU output, so only q(W)^T is kept
+            out2, (_, _, wqt, w_inv) = fp8.fprop(g.reshape(-1, g.shape[-1]), weight, None, fp8_margin,
+                                                 keep_x=False)
+            out = out2.view(*g.shape[:-1], weight.shape[0])
+            saved = saved + (wqt, w_inv)
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        if ctx.has_bias:
-            x, bias, weight = ctx.saved_tensors
-        else:
-            (x, weight), bias = ctx.saved_tensors, None
+        saved = list(ctx.saved_tensors)
+        x = saved.pop(0)
+        bias = saved.pop(0) if ctx.has_bias else None
+        weight = saved.pop(0)
         g = _gelu_forward(x, bias, ctx.fused)  # recomputed [s, b, ffn]
+        g2 = g.reshape(-1, g.shape[-1])
         d2 = dout.reshape(-1, dout.shape[-1])  # [s*b, h]
-        main_grad = getattr(ctx.weight, "main_grad", None)
-        if ctx.accumulate_into_main_grad and main_grad is not None:
-            # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
-            _accumulate_wgrad(main_grad, d2, g.reshape(-1, g.shape[-1]))
-            ctx.weight.grad_added_to_main_grad = True
-            dweight = None
+        if ctx.fp8_format is not None:
+            wqt, w_inv = saved
+            _, gq_t, g_inv = fp8.quantize(g2, fp8.E4M3, ctx.fp8_margin, transpose=True)
+            dg2, dw32 = fp8.bprop(d2.contiguous(), (gq_t, g_inv, wqt, w_inv), ctx.fp8_format, ctx.fp8_margin,
+                                  need_dx=True, need_dw=True)
+            del g, g2
+            dweight = fp8.weight_grad(ctx.weight, dw32, ctx.accumulate_into_main_grad)
+            dg = dg2.view(*x.shape)
         else:
-            dweight = d2.t().matmul(g.reshape(-1, g.shape[-1])).to(weight.dtype)  # [h, ffn]
-        del g
-        dg = dout.matmul(weight)  # [s, b, ffn]
+            main_grad = getattr(ctx.weight, "main_grad", None)
+            if ctx.accumulate_into_main_grad and main_grad is not None:
+                # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
+                _accumulate_wgrad(main_grad, d2, g2)
+                ctx.weight.grad_added_to_main_grad = True
+                dweight = None
+            else:
+                dweight = d2.t().matmul(g2).to(weight.dtype)  # [h, ffn]
+            del g, g2
+            dg = dout.matmul(weight)  # [s, b, ffn]
         dx, dbias = _gelu_backward(x, bias, dg, ctx.fused)
-        return dx, dbias, dweight, None, None
+        return dx, dbias, dweight, None, None, None, None
 
 
 def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
-                     use_fused: bool = True, gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+                     use_fused: bool = True, gradient_accumulation_fusion: bool = False,
+                     fp8_format: Optional[str] = None, fp8_margin: int = 0) -> torch.Tensor:
     """F.linear(gelu(x + bias), weight) keeping only ``x`` for backward (the GeLU output is recomputed).
 
     With ``gradient_accumulation_fusion`` and an fp32 ``weight.main_grad`` on CUDA, the weight gradient is added
     into ``main_grad`` by the GEMM (see ``megatron.core.fusions.linear``) and ``weight.grad`` stays empty.
+    With ``fp8_format`` the GEMMs run in FP8 (``megatron.core.fusions.fp8``); the weight gradient then goes
+    into ``main_grad`` whenever the weight has an fp32 one and ``gradient_accumulation_fusion`` is set.
     """
     fused = ops._fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:])
+    if fp8_format is not None:
+        fp8.grad_dtype(fp8_format)  # validates the format
+        if torch.compiler.is_compiling():
+            raise RuntimeError("--fp8-format cannot run under torch.compile (use the eager transformer layer)")
+        return BiasGeLULinearFunction.apply(x, bias, weight, fused, gradient_accumulation_fusion, fp8_format,
+                                            fp8_margin)
     if torch.compiler.is_compiling():
         return F.linear(ops.bias_gelu_reference(x, bias), weight)
     accumulate = (gradient_accumulation_fusion and x.is_cuda
                   and getattr(getattr(weight, "main_grad", None), "dtype", None) == torch.float32)
-    return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate)
+    return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate, None, 0)

@@ -66,6 +66,8 @@ class GPTModel(nn.Module):
                 f"padded vocabulary {config.padded_vocab_size} is not divisible by --tensor-model-parallel-size "
                 f"{pstate.tp_size}"
             )
+        if use_torch_compile and config.fp8 is not None:
+            raise ValueError("--fp8-format does not combine with --use-torch-compile")
         self.config, self.pstate = config, pstate
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.fusions.fp8 import fp8_linear
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
@@ -118,8 +119,12 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], accumulate_fusion: bool):
-    """``F.linear``; with gradient-accumulation fusion the weight gradient goes straight into ``main_grad``."""
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], accumulate_fusion: bool,
+            config: TransformerConfig):
+    """``F.linear``; with gradient-accumulation fusion the weight gradient goes straight into ``main_grad``;
+    with ``config.fp8`` the GEMMs run in FP8 (``megatron.core.fusions.fp8``)."""
+    if config.fp8 is not None:
+        return fp8_linear(x, weight, bias, config.fp8, config.fp8_margin, accumulate_fusion)
     if accumulate_fusion:
         return linear_with_grad_accumulation_fusion(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -159,6 +164,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.save_gathered_input = save_gathered_input
+        self.config = config
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.output_size_per_partition = _divide(output_size, pstate.tp_size, "output size of a column-parallel linear")
@@ -166,6 +172,8 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
         if config.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True is not supported with --sequence-parallel")
+        if config.fp8 is not None and self.sequence_parallel and not save_gathered_input:
+            raise ValueError("ColumnParallelLinear: save_gathered_input=False has no FP8 path (--fp8-format)")
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
@@ -197,7 +205,7 @@ class ColumnParallelLinear(nn.Module):
                 x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
             else:
                 x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in]
-            out = _linear(x, weight, bias, self.gradient_accumulation_fusion)  # [s, b, out/tp]
+            out = _linear(x, weight, bias, self.gradient_accumulation_fusion, self.config)  # [s, b, out/tp]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)
@@ -234,6 +242,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.input_size_per_partition = _divide(input_size, pstate.tp_size, "input size of a row-parallel linear")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.config = config
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
         if config.sequence_parallel and not input_is_parallel:
@@ -251,7 +260,7 @@ class RowParallelLinear(nn.Module):
         """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in/tp]
-        partial = _linear(x, self.weight, None, self.gradient_accumulation_fusion)  # [s, b, out], summed below
+        partial = _linear(x, self.weight, None, self.gradient_accumulation_fusion, self.config)  # [s, b, out] partial
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:

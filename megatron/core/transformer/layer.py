@@ -53,13 +53,15 @@ class MLP(nn.Module):
         self.use_fused = config.use_fused_kernels
         self.recompute_gelu = config.recomputes("mlp_act")
         self.grad_accum_fusion = config.gradient_accumulation_fusion
+        self.fp8, self.fp8_margin = config.fp8, config.fp8_margin
 
     def forward(self, hidden: torch.Tensor):
         inter, inter_bias = self.linear_fc1(hidden)  # [s, b, ffn/tp]
         if self.recompute_gelu and self.training:
             fc2 = self.linear_fc2
             partial = bias_gelu_linear(inter, inter_bias, fc2.weight, use_fused=self.use_fused,
-                                       gradient_accumulation_fusion=self.grad_accum_fusion)  # [s, b, h] partial
+                                       gradient_accumulation_fusion=self.grad_accum_fusion,
+                                       fp8_format=self.fp8, fp8_margin=self.fp8_margin)  # [s, b, h] partial
             if fc2.sequence_parallel:
                 out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial, fc2.tp_group)  # [s/tp, b, h]
             else:

@@ -1,0 +1,56 @@
+"""FP8 linear layers on the GPU: the Triton cast against the PyTorch cast (bit for bit, both layouts), and the
+cuBLAS FP8 GEMMs against an fp32 emulation on the dequantized operands (GPU with compute capability 8.9+)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                reason="needs an FP8 GPU (compute capability 8.9+)")
+
+from megatron.core.fusions import fp8  # noqa: E402
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2])
+@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 300), (64, 8192)])
+def test_triton_cast_equals_the_pytorch_cast(dtype, shape):
+    assert fp8.HAVE_TRITON
+    x = (torch.randn(*shape, device="cuda") * 7).bfloat16()
+    x[0, 0] = 1e4  # saturates after scaling with a margin
+    scale, _ = fp8.scales(x, dtype, margin=0)
+    scale = scale * 2
+    q, qt = fp8._triton_scaled_cast(x, scale, dtype, transpose=True)
+    fmax = torch.finfo(dtype).max
+    ref = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
+
+
+def test_non_finite_input_gives_nan():
+    x = torch.ones(256, 256, device="cuda", dtype=torch.bfloat16)
+    x[5, 7] = float("inf")
+    q, qt, inv = fp8.quantize(x, fp8.E4M3, 0, transpose=True)
+    assert torch.isnan(q.float()).all() and torch.isnan(qt.float()).all() and torch.isnan(inv).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("m,k,n", [(16384, 2048, 6144), (2048, 8192, 2048), (1024, 768, 2304)])
+def test_gemms_match_an_fp32_emulation(fmt, m, k, n):
+    torch.manual_seed(0)
+    x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+    b = torch.randn(n, device="cuda").bfloat16()
+    dy = (torch.randn(m, n, device="cuda") * 1e-4).bfloat16()
+    y, saved = fp8.fprop(x, w, b, margin=0, keep_x=True)
+    xqt, x_inv, wqt, w_inv = saved
+    xd, wd = xqt.t().float() * x_inv, wqt.t().float() * w_inv
+    assert _rel(y, xd @ wd.t() + b.float()) < 1e-2  # fast accumulation + bf16 output
+    dx, dw = fp8.bprop(dy, saved, fmt, 0, need_dx=True, need_dw=True)
+    dyq, _, dy_inv = fp8.quantize(dy, fp8.grad_dtype(fmt), 0)
+    dyd = dyq.float() * dy_inv
+    assert _rel(dx, dyd @ wd) < 5e-3
+    assert _rel(dw, dyd.t() @ xd) < 1e-4

@@ -1,0 +1,127 @@
+"""FP8 linear layers (megatron/core/fusions/fp8.py) on CPU, where torch._scaled_mm runs the same arithmetic.
+
+The GEMMs are checked against an fp32 emulation on the dequantized operands (what FP8 GEMMs compute, up to
+accumulation order and the bf16 rounding of the outputs), the scaling rules against their definition, and the
+whole layer against the bf16 ``F.linear`` within FP8 precision.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fusions import fp8
+from megatron.core.fusions.mlp import bias_gelu_linear
+from megatron.core.fusions.ops import bias_gelu_reference
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _deq(q, inv):
+    return q.float() * inv
+
+
+def _operands(m=64, k=96, n=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    dy = (torch.randn(m, n, generator=g) * 1e-3).bfloat16()
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2])
+def test_scale_maps_amax_to_the_format_maximum(dtype):
+    x = torch.randn(32, 64).bfloat16()
+    q, qt, inv = fp8.quantize(x, dtype, margin=0, transpose=True)
+    fmax = torch.finfo(dtype).max
+    assert q.dtype == dtype and q.float().abs().max().item() == fmax
+    assert torch.equal(qt, q.t().contiguous())
+    assert inv.item() == pytest.approx(x.float().abs().max().item() / fmax, rel=1e-6)
+    q2, _, inv2 = fp8.quantize(x, dtype, margin=2)
+    assert q2.float().abs().max().item() == fmax / 4 and inv2.item() == pytest.approx(4 * inv.item(), rel=1e-6)
+    # dequantized values carry the format's relative precision (3 or 2 mantissa bits)
+    assert _rel(_deq(q, inv), x.float()) < (0.04 if dtype == fp8.E4M3 else 0.08)
+
+
+def test_zero_and_non_finite_amax():
+    q, _, inv = fp8.quantize(torch.zeros(16, 16), fp8.E4M3, 0)
+    assert inv.item() == 1.0 and not q.float().any()
+    x = torch.ones(16, 16)
+    x[3, 4] = float("inf")
+    q, _, inv = fp8.quantize(x, fp8.E4M3, 0)
+    assert torch.isnan(inv).all() and torch.isnan(q.float()).all()  # overflow is visible, not flushed to zero
+
+
+def test_gemms_match_an_fp32_emulation_on_dequantized_operands():
+    x, w, b, dy = _operands()
+    y, saved = fp8.fprop(x, w, b, margin=0, keep_x=True)
+    xqt, x_inv, wqt, w_inv = saved
+    xd, wd = _deq(xqt.t(), x_inv), _deq(wqt.t(), w_inv)
+    assert y.dtype == torch.bfloat16
+    assert _rel(y, xd @ wd.t() + b.float()) < 5e-3  # bf16 rounding of the output
+    for fmt, gdtype in (("e4m3", fp8.E4M3), ("hybrid", fp8.E5M2)):
+        dx, dw = fp8.bprop(dy, saved, fmt, 0, need_dx=True, need_dw=True)
+        dyq, _, dy_inv = fp8.quantize(dy, gdtype, 0)
+        dyd = _deq(dyq, dy_inv)
+        assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+        assert _rel(dx, dyd @ wd) < 5e-3
+        assert _rel(dw, dyd.t() @ xd) < 1e-5
+
+
+@pytest.mark.parametrize("fmt,fwd_tol,bwd_tol", [("e4m3", 0.03, 0.06), ("hybrid", 0.03, 0.1)])
+def test_fp8_linear_tracks_the_bf16_linear(fmt, fwd_tol, bwd_tol):
+    x, w, b, dy = _operands(m=128, k=64, n=96, seed=1)
+    x3 = x.view(4, 32, 64).requires_grad_()
+    w_, b_ = w.clone().requires_grad_(), b.clone().requires_grad_()
+    y = fp8.fp8_linear(x3, w_, b_, fmt)
+    y.backward(dy.view(4, 32, 96))
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x3, w, b))
+    yr = F.linear(xr, wr, br)
+    yr.backward(dy.view(4, 32, 96).float())
+    assert y.shape == (4, 32, 96)
+    assert _rel(y, yr) < fwd_tol
+    assert _rel(x3.grad, xr.grad) < bwd_tol and _rel(w_.grad, wr.grad) < bwd_tol
+    assert torch.allclose(b_.grad.float(), br.grad, rtol=1e-2, atol=1e-4)  # bias grad is not quantized
+
+
+def test_weight_gradient_goes_into_main_grad():
+    x, w, b, dy = _operands()
+    w_ = w.clone().requires_grad_()
+    w_.main_grad = torch.full(w.shape, 0.5)
+    fp8.fp8_linear(x.requires_grad_(), w_, None, "hybrid", accumulate_into_main_grad=True).backward(dy)
+    assert w_.grad is None and w_.grad_added_to_main_grad
+    w2 = w.clone().requires_grad_()
+    fp8.fp8_linear(x, w2, None, "hybrid", accumulate_into_main_grad=False).backward(dy)
+    assert torch.allclose(w_.main_grad - 0.5, w2.grad.float(), rtol=1e-2, atol=1e-6)
+
+
+def test_gelu_recompute_path_equals_the_plain_fp8_composition():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 128, generator=g).bfloat16()
+    bias = torch.randn(128, generator=g).bfloat16()
+    w = (torch.randn(64, 128, generator=g) * 0.05).bfloat16()
+    dout = torch.randn(2, 16, 64, generator=g).bfloat16()
+    outs, grads = [], []
+    for fused_path in (True, False):
+        xi, bi, wi = (t.clone().requires_grad_() for t in (x, bias, w))
+        if fused_path:
+            out = bias_gelu_linear(xi, bi, wi, use_fused=False, fp8_format="hybrid")
+        else:
+            out = fp8.fp8_linear(bias_gelu_reference(xi, bi), wi, None, "hybrid")
+        out.backward(dout)
+        outs.append(out)
+        grads.append([t.grad for t in (xi, bi, wi)])
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+
+def test_sizes_that_are_not_multiples_of_16_are_named():
+    x = torch.randn(10, 32).bfloat16()
+    with pytest.raises(ValueError, match="multiples of 16; this linear has tokens 10"):
+        fp8.fp8_linear(x, torch.randn(48, 32).bfloat16(), None, "e4m3")
+    with pytest.raises(ValueError, match="--fp8-format must be one of e4m3, hybrid, got e5m2"):
+        fp8.fp8_linear(x, torch.randn(48, 32).bfloat16(), None, "e5m2")
