@@ -30,6 +30,17 @@ def test_triton_cast_equals_the_pytorch_cast(dtype, shape):
     assert torch.equal(qt.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype,margin", [(fp8.E4M3, 0), (fp8.E5M2, 0), (fp8.E4M3, 3)])
+@pytest.mark.parametrize("numel", [1, 4095, 4096 * 3 + 17, 16384 * 2048])
+def test_triton_scales_equal_the_pytorch_scales(dtype, margin, numel):
+    x = (torch.randn(numel, device="cuda") * 5).bfloat16()
+    got, ref = fp8.scales(x, dtype, margin), fp8._scales_torch(x, dtype, margin)
+    for a, b in zip(got, ref):  # the same IEEE fp32 arithmetic (at most an ulp apart)
+        torch.testing.assert_close(a, b, rtol=2.4e-7, atol=0)
+    zero = fp8.scales(torch.zeros(numel, device="cuda"), dtype, margin)
+    assert zero[0].item() == 1.0 and zero[1].item() == 1.0
+
+
 def test_non_finite_input_gives_nan():
     x = torch.ones(256, 256, device="cuda", dtype=torch.bfloat16)
     x[5, 7] = float("inf")
@@ -53,4 +64,4 @@ def test_gemms_match_an_fp32_emulation(fmt, m, k, n):
     dyq, _, dy_inv = fp8.quantize(dy, fp8.grad_dtype(fmt), 0)
     dyd = dyq.float() * dy_inv
     assert _rel(dx, dyd @ wd) < 5e-3
-    assert _rel(dw, dyd.t() @ xd) < 1e-4
+    assert _rel(dw, dyd.t() @ xd) < 1e-3  # fp32 accumulation over thousands of tokens, in another order

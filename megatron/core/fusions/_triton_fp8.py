@@ -1,6 +1,14 @@
-"""Triton kernel for the FP8 cast of ``fp8.py``: scale, saturate and cast a 2D tensor in one pass, writing the
-row-major FP8 copy and, when asked, its transpose from the same tile (the transposed copy is what the backward
-GEMMs read as a column-major operand). Import only when ``triton`` is importable.
+"""Triton kernels for the FP8 quantization of ``fp8.py``, three launches and two passes over the tensor:
+
+1. ``_amax_kernel``: per-program maxima of ``|x|`` (a NaN counts as infinity) over a grid of a few programs per
+   multiprocessor, each striding through the tensor;
+2. ``_scale_kernel`` (one program): ``amax`` from those partials, then ``scale = fp8_max / 2**margin / amax`` and
+   its inverse, by the rules of ``fp8.scales`` (amax 0: scale 1; non-finite amax: NaN), with IEEE division;
+3. ``_scaled_cast_kernel``: scale, saturate and cast in one pass, writing the row-major FP8 copy and, when asked,
+   its transpose from the same tile (the transposed copy is what the backward GEMMs read as a column-major
+   operand).
+
+Import only when ``triton`` is importable.
 """
 
 from __future__ import annotations
@@ -10,6 +18,32 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
+AMAX_BLOCK, AMAX_PROGRAMS_PER_SM = 4096, 4
+
+
+@triton.jit
+def _amax_kernel(X, PART, NUMEL, ITERS, BLOCK: tl.constexpr):
+    """PART[pid] = max |X| over blocks pid*ITERS .. pid*ITERS + ITERS - 1 of the flattened X (NaN -> inf)."""
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(0, ITERS):
+        offs = (tl.program_id(0) * ITERS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(X + offs, mask=offs < NUMEL, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a == a, a, float("inf")))
+    tl.store(PART + tl.program_id(0), tl.max(acc, axis=0))
+
+
+@triton.jit
+def _scale_kernel(PART, NPART, SCALE, SCALE_INV, FMAX_OVER_MARGIN: tl.constexpr, FP32_MAX: tl.constexpr,
+                  NPART_P2: tl.constexpr):
+    idx = tl.arange(0, NPART_P2)
+    amax = tl.max(tl.load(PART + idx, mask=idx < NPART, other=0.0), axis=0).to(tl.float32)
+    numerator = (tl.zeros_like(amax) + FMAX_OVER_MARGIN).to(tl.float32)
+    scale = tl.minimum(tl.math.div_rn(numerator, tl.maximum(amax, 1e-45).to(tl.float32)), FP32_MAX)
+    scale = tl.where(amax > 0.0, scale, 1.0)
+    scale = tl.where(amax < float("inf"), scale, float("nan"))
+    tl.store(SCALE, scale)
+    scale = scale.to(tl.float32)
+    tl.store(SCALE_INV, tl.math.div_rn((tl.zeros_like(scale) + 1.0).to(tl.float32), scale))
 
 
 @triton.jit
@@ -28,6 +62,22 @@ def _scaled_cast_kernel(X, Q, QT, SCALE, M, N, FMAX: tl.constexpr, TRANSPOSE: tl
     if TRANSPOSE:
         qt = tl.trans(q)  # [BLOCK_N, BLOCK_M]
         tl.store(QT + cols.to(tl.int64)[:, None] * M + rows[None, :], qt, mask=tl.trans(mask))
+
+
+def scales(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    """(scale, 1/scale), one-element fp32 tensors, for a contiguous ``x`` (see ``fp8.scales``)."""
+    numel = x.numel()
+    blocks = triton.cdiv(numel, AMAX_BLOCK)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    nprog = max(1, min(blocks, AMAX_PROGRAMS_PER_SM * sms))
+    iters = triton.cdiv(blocks, nprog)
+    nprog = triton.cdiv(blocks, iters) if blocks else 1
+    part = torch.empty(nprog, device=x.device, dtype=torch.float32)
+    _amax_kernel[(nprog,)](x, part, numel, iters, BLOCK=AMAX_BLOCK, num_warps=8)
+    out = torch.empty(2, device=x.device, dtype=torch.float32)
+    _scale_kernel[(1,)](part, nprog, out, out[1:], FMAX_OVER_MARGIN=torch.finfo(dtype).max / 2.0 ** margin,
+                        FP32_MAX=torch.finfo(torch.float32).max, NPART_P2=triton.next_power_of_2(nprog))
+    return out[:1], out[1:]
 
 
 def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool):

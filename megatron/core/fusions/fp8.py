@@ -35,6 +35,7 @@ import torch
 
 try:
     from megatron.core.fusions._triton_fp8 import scaled_cast as _triton_scaled_cast
+    from megatron.core.fusions._triton_fp8 import scales as _triton_scales
 
     HAVE_TRITON = True
 except ImportError:  # CPU-only machines without triton use the PyTorch cast below
@@ -56,13 +57,20 @@ def scales(x: torch.Tensor, dtype: torch.dtype, margin: int) -> Tuple[torch.Tens
     """(scale, 1/scale) as one-element fp32 tensors: ``fp8_max / amax(|x|) / 2**margin``.
 
     amax 0 gives scale 1; a non-finite amax gives NaN (so the overflow reaches the non-finite-gradient check).
-    Everything stays on the device: no host synchronisation (CUDA-graph safe).
+    Everything stays on the device: no host synchronisation (CUDA-graph safe). On CUDA two small Triton
+    kernels (per-program maxima, then the scale); elsewhere PyTorch ops.
     """
+    if HAVE_TRITON and x.is_cuda and x.is_contiguous():
+        return _triton_scales(x, dtype, margin)
+    return _scales_torch(x, dtype, margin)
+
+
+def _scales_torch(x: torch.Tensor, dtype: torch.dtype, margin: int) -> Tuple[torch.Tensor, torch.Tensor]:
     amax = torch.linalg.vector_norm(x, ord=float("inf")).float().reshape(1)
-    scale = (torch.finfo(dtype).max / 2.0 ** margin) / amax
+    scale = torch.div(torch.full_like(amax, torch.finfo(dtype).max / 2.0 ** margin), amax)  # IEEE division
     scale = torch.where(amax > 0, scale.clamp(max=_FP32_MAX), torch.ones_like(amax))
     scale = torch.where(torch.isfinite(amax), scale, torch.full_like(amax, float("nan")))
-    return scale, scale.reciprocal()
+    return scale, torch.div(torch.ones_like(scale), scale)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool = False):
