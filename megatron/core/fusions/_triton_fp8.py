@@ -74,10 +74,12 @@ def scales(x: torch.Tensor, dtype: torch.dtype, margin: int):
     nprog = triton.cdiv(blocks, iters) if blocks else 1
     part = torch.empty(nprog, device=x.device, dtype=torch.float32)
     _amax_kernel[(nprog,)](x, part, numel, iters, BLOCK=AMAX_BLOCK, num_warps=8)
-    out = torch.empty(2, device=x.device, dtype=torch.float32)
-    _scale_kernel[(1,)](part, nprog, out, out[1:], FMAX_OVER_MARGIN=torch.finfo(dtype).max / 2.0 ** margin,
+    # two allocations, not views of one: cuBLASLt wants its scale pointers aligned (a view at offset 1 is not)
+    scale = torch.empty(1, device=x.device, dtype=torch.float32)
+    scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
+    _scale_kernel[(1,)](part, nprog, scale, scale_inv, FMAX_OVER_MARGIN=torch.finfo(dtype).max / 2.0 ** margin,
                         FP32_MAX=torch.finfo(torch.float32).max, NPART_P2=triton.next_power_of_2(nprog))
-    return out[:1], out[1:]
+    return scale, scale_inv
 
 
 def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool):
