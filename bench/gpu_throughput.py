@@ -2,7 +2,9 @@
 
 Trainers (``--trainers``, comma-separated):
   ours              pretrain_gpt.py as a subprocess on a real .bin/.idx dataset; its iteration log lines are parsed
-                    and the first ``--warmup`` iterations skipped
+                    and the first ``--warmup`` iterations skipped (bf16)
+  ours-fp8          the same with ``--fp8-format hybrid``: FP8 GEMMs in the transformer layers' linears, on top of
+                    the bf16 model (not the precision of the peers: read its row next to ``ours``)
   hf-gpt2           Hugging Face transformers GPT2LMHeadModel, SDPA attention, bf16 autocast, fused AdamW
   minimal-eager     bench/minimal_gpt.py (SDPA, bf16 autocast, fused AdamW)
   minimal-compiled  the same under torch.compile
@@ -45,7 +47,8 @@ SHAPES = {
     "1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16, seq_length=2048, micro_batch_size=8),
     "124m": dict(num_layers=12, hidden_size=768, num_heads=12, seq_length=1024, micro_batch_size=16),
 }
-TRAINERS = ("hf-gpt2", "minimal-eager", "minimal-compiled", "ours")
+TRAINERS = ("hf-gpt2", "minimal-eager", "minimal-compiled", "ours", "ours-fp8")
+OURS_FP8_ARGS = "--fp8-format hybrid"  # ours-fp8: our trainer with FP8 GEMMs in the transformer layers
 # Flags our trainer gets on top of the shape; --ours-args appends (later flags win in argparse).
 OURS_BASE_ARGS = (
     "--bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 "
@@ -213,14 +216,15 @@ def run_ours_wrapper(argv: list) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
-def run_ours(shape_name: str, iters: int, warmup: int, data_prefix: str, extra: str, log_dir: str) -> dict:
+def run_ours(shape_name: str, iters: int, warmup: int, data_prefix: str, extra: str, log_dir: str,
+             trainer: str = "ours") -> dict:
     cmd = ours_command(SHAPES[shape_name], iters, warmup, data_prefix, extra)
     print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = proc.stdout
     if log_dir:
-        with open(os.path.join(log_dir, f"ours_{shape_name}.log"), "w") as f:
+        with open(os.path.join(log_dir, f"{trainer}_{shape_name}.log"), "w") as f:
             f.write(log)
     if proc.returncode != 0:
         print(log[-6000:], flush=True)
@@ -420,7 +424,7 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
           f"triton {meta['env']['triton']}, transformers {meta['env']['transformers']}, "
           f"Python {meta['env']['python']}.", "",
           f"Command: `{meta['command']}`", "",
-          "MFU = tokens/s x (72 L h^2 + 12 L h s + 6 h V) / 989e12, V = 50304; bf16, AdamW, dropout 0.", "",
+          "MFU = tokens/s x (72 L h^2 + 12 L h s + 6 h V) / 989e12, V = 50304; bf16, AdamW, dropout 0 (ours-fp8: FP8 GEMMs in the transformer layers, same bf16 model and FLOP count).", "",
           "| trainer | layers | hidden | seq | micro-batch | ms/iter | tokens/s | MFU | log TFLOP/s | peak mem (GiB) |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -481,7 +485,7 @@ def main() -> None:
     # "--ours-args --flag" would make argparse read --flag as an option: glue the value to its option.
     argv = sys.argv[1:]
     for i in range(len(argv) - 1):
-        if argv[i] in ("--ours-args", "--ours-shape-args"):
+        if argv[i] in ("--ours-args", "--ours-shape-args", "--ours-fp8-shape-args"):
             argv[i:i + 2] = [f"{argv[i]}={argv[i + 1]}", ""]
     sys.argv[1:] = [x for x in argv if x != ""]
     ap = argparse.ArgumentParser(description="Throughput/MFU of our trainer and its peers on one GPU.")
@@ -492,6 +496,8 @@ def main() -> None:
     ap.add_argument("--ours-args", default="", help="extra flags for pretrain_gpt.py")
     ap.add_argument("--ours-shape-args", action="append", default=[], metavar="SHAPE:FLAGS",
                     help="extra flags for pretrain_gpt.py at one shape only, e.g. '124m:--use-torch-compile'")
+    ap.add_argument("--ours-fp8-shape-args", action="append", default=[], metavar="SHAPE:FLAGS",
+                    help=f"the same for ours-fp8 (which adds {OURS_FP8_ARGS!r} to --ours-args)")
     ap.add_argument("--data-prefix", default=None, help=".bin/.idx prefix (default: preprocess data/ corpus)")
     ap.add_argument("--tag", default="", help="write gpu_throughput_TAG.{json,md} instead of the main table")
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
@@ -533,16 +539,18 @@ def main() -> None:
             key = f"{trainer}/{SHAPES[shape_name]['num_layers']}x{SHAPES[shape_name]['hidden_size']}"
             t0 = time.time()
             try:
-                if trainer == "ours":
+                if trainer in ("ours", "ours-fp8"):
                     data_prefix = data_prefix or prepare_dataset(workdir)
-                    extra = a.ours_args
-                    for spec in a.ours_shape_args:
+                    fp8 = trainer == "ours-fp8"
+                    extra = f"{a.ours_args} {OURS_FP8_ARGS}" if fp8 else a.ours_args
+                    for spec in (a.ours_fp8_shape_args if fp8 else a.ours_shape_args):
                         name, _, flags = spec.partition(":")
                         if name not in SHAPES:
-                            raise ValueError(f"--ours-shape-args: unknown shape {name!r} in {spec!r}")
+                            raise ValueError(f"--ours{'-fp8' if fp8 else ''}-shape-args: unknown shape {name!r} "
+                                             f"in {spec!r}")
                         if name == shape_name:
                             extra = f"{extra} {flags}"
-                    res = run_ours(shape_name, a.iters, a.warmup, data_prefix, extra, a.log_dir)
+                    res = run_ours(shape_name, a.iters, a.warmup, data_prefix, extra.strip(), a.log_dir, trainer)
                     cmd = res["command"]
                     extras["log_tflops"][key] = res["log_tflops"]
                     extras["losses"][key] = res["losses"]

@@ -1,4 +1,4 @@
-"""A 50-iteration GPU training run with the fused kernels matches the unfused path (GPU only).
+"""A 50-iteration GPU training run with the fused kernels matches the unfused path, and FP8 tracks bf16 (GPU only).
 
 Two runs of pretrain_gpt.py on the bundled corpus (tokenised here with tools/preprocess_data.py), same seed,
 dropout 0, bf16: one with the fused kernels and the fused cross-entropy, one with
@@ -52,8 +52,13 @@ def _train(data_prefix: str, extra: list) -> list:
     return losses
 
 
-def test_fused_and_unfused_losses_match(data_prefix):
-    fused = _train(data_prefix, ["--cross-entropy-loss-fusion"])
+@pytest.fixture(scope="module")
+def fused_bf16(data_prefix):
+    return _train(data_prefix, ["--cross-entropy-loss-fusion"])
+
+
+def test_fused_and_unfused_losses_match(data_prefix, fused_bf16):
+    fused = fused_bf16
     unfused = _train(data_prefix, ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm"])
     assert abs(fused[0] - unfused[0]) < 1e-3 * unfused[0]  # same init, same data, same first loss
     for i, (a, b) in enumerate(zip(fused, unfused)):
@@ -63,10 +68,10 @@ def test_fused_and_unfused_losses_match(data_prefix):
 
 @pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective", "--recompute-modules", "mlp_act"],
                                    ["--enable-cuda-graph"]], ids=["eager", "gelu-recompute", "cuda-graph"])
-def test_fp8_hybrid_tracks_bf16(data_prefix, extra):
+def test_fp8_hybrid_tracks_bf16(data_prefix, fused_bf16, extra):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability 8.9+")
-    bf16 = _train(data_prefix, ["--cross-entropy-loss-fusion"])
+    bf16 = fused_bf16
     fp8 = _train(data_prefix, ["--cross-entropy-loss-fusion", "--fp8-format", "hybrid", *extra])
     for i, (a, b) in enumerate(zip(fp8, bf16)):
         assert abs(a - b) < 3e-2 * b, f"iteration {i + 1}: fp8 {a} vs bf16 {b}"

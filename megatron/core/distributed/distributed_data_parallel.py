@@ -95,6 +95,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Move ``param.grad`` into ``param.main_grad``; under overlap, launch the bucket once it is complete."""
         if param.grad is not None:
             param.main_grad.add_(param.grad)
+            param.main_grad_is_zero = False
             param.grad = None
         if self.config.overlap_grad_reduce and self._sync_enabled:
             buf = self.param_to_buffer[param]
@@ -150,13 +151,18 @@ class DistributedDataParallel(torch.nn.Module):
                 buf.gather_bucket_grads(bucket, self.dp_group, self.dp_rank)
 
     def zero_grad_buffer(self) -> None:
-        """Zero every main grad and forget per-iteration bucket state."""
+        """Zero every main grad and forget per-iteration bucket state.
+
+        Each parameter is marked ``main_grad_is_zero``: a backward that computes the whole weight gradient in
+        fp32 (the FP8 linear) may then write it into ``main_grad`` instead of adding, and clears the mark.
+        """
         for buf in self.buffers:
             buf.grad_data.zero_()
             for bucket in buf.buckets:
                 bucket.ready.clear()
         for p in self.param_to_buffer:
             p.grad = None
+            p.main_grad_is_zero = True
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to every DP rank (for runs whose replicas might start apart)."""

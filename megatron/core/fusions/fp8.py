@@ -13,9 +13,10 @@ Per linear ``y = x W^T + b`` (``x [M, K]``, ``W [N, K]``):
 
 - forward (fprop): ``y = (q(x) q(W)^T) / (s_x s_W) + b`` in the activation dtype, with fast accumulation;
 - backward: ``dx = q(dy) q(W)`` (dgrad) and ``dW = q(dy)^T q(x)`` (wgrad), both with full-precision (split)
-  accumulation, ``dW`` in fp32. With an fp32 ``weight.main_grad`` (the data-parallel wrapper's buffer) ``dW`` is
-  added there and the weight gets no ``.grad`` (``grad_added_to_main_grad``, as with gradient-accumulation
-  fusion); otherwise it is returned in the weight's dtype.
+  accumulation, ``dW`` in fp32. With an fp32 ``weight.main_grad`` (the data-parallel wrapper's buffer) ``dW`` goes
+  there and the weight gets no ``.grad`` (``grad_added_to_main_grad``, as with gradient-accumulation fusion):
+  the GEMM writes it directly on the first microbatch after the wrapper zeroed the buffer
+  (``main_grad_is_zero``), later microbatches add to it. Without one, ``dW`` is returned in the weight's dtype.
 
 ``_scaled_mm`` wants its first operand row-major and its second column-major, so the cast kernel writes a
 transposed FP8 copy from the same tile where a backward GEMM needs one: saved for backward are ``q(x)^T`` (one
@@ -92,9 +93,10 @@ def _check_dims(m: int, k: int, n: int) -> None:
                          f"(tokens = micro-batch x sequence length per rank; features per tensor-parallel rank)")
 
 
-def _mm(a, b, scale_a, scale_b, out_dtype, bias=None, fast_accum=False) -> torch.Tensor:
+def _mm(a, b, scale_a, scale_b, out_dtype, bias=None, fast_accum=False, out=None) -> torch.Tensor:
+    kw = {} if out is None else {"out": out}
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+                            use_fast_accum=fast_accum, **kw)
 
 
 def fprop(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], margin: int, keep_x: bool):
@@ -107,25 +109,29 @@ def fprop(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     return y, (xqt, x_inv, wqt, w_inv)
 
 
-def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool, need_dw: bool):
-    """(dx [M, K] or None, dW [N, K] fp32 or None) for the upstream gradient ``dy2 [M, N]``."""
+def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool, need_dw: bool,
+          accumulate_into: Optional[torch.Tensor] = None):
+    """(dx [M, K] or None, dW [N, K] fp32 or None) for the upstream gradient ``dy2 [M, N]``.
+
+    With ``accumulate_into`` (a weight with an fp32 ``main_grad``) the weight gradient goes into that buffer and
+    None is returned for it: written by the GEMM itself when the data-parallel wrapper marked the buffer as
+    freshly zeroed (``main_grad_is_zero``, the first microbatch of an iteration), else added to it.
+    """
     xqt, x_inv, wqt, w_inv = saved
     dyq, dyqt, dy_inv = quantize(dy2, grad_dtype(fp8_format), margin, transpose=need_dw)
     dx = _mm(dyq, wqt.t(), dy_inv, w_inv, dy2.dtype) if need_dx else None
-    dw = _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32) if need_dw else None
-    return dx, dw
-
-
-def weight_grad(weight: torch.Tensor, dw32: Optional[torch.Tensor], accumulate: bool) -> Optional[torch.Tensor]:
-    """Add an fp32 weight gradient into ``weight.main_grad`` (returning None) or return it in the weight dtype."""
-    if dw32 is None:
-        return None
-    main_grad = getattr(weight, "main_grad", None)
-    if accumulate and main_grad is not None and main_grad.dtype == torch.float32:
-        main_grad.add_(dw32)
-        weight.grad_added_to_main_grad = True
-        return None
-    return dw32.to(weight.dtype)
+    if not need_dw:
+        return dx, None
+    main_grad = getattr(accumulate_into, "main_grad", None)
+    if main_grad is None or main_grad.dtype != torch.float32:
+        return dx, _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32)
+    if getattr(accumulate_into, "main_grad_is_zero", False):
+        _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32, out=main_grad)  # no read-add-write pass over fp32
+        accumulate_into.main_grad_is_zero = False
+    else:
+        main_grad.add_(_mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32))
+    accumulate_into.grad_added_to_main_grad = True
+    return dx, None
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -144,10 +150,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         saved = saved if ctx.keep_x else (None, *saved)
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw32 = bprop(dy2, saved, ctx.fp8_format, ctx.margin, need_dx, need_dw)
+        dx, dw = bprop(dy2, saved, ctx.fp8_format, ctx.margin, need_dx, need_dw,
+                       accumulate_into=ctx.weight if ctx.accumulate else None)
         dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dx = dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None
-        return dx, weight_grad(ctx.weight, dw32, ctx.accumulate), dbias, None, None, None
+        return dx, (dw.to(ctx.weight.dtype) if dw is not None else None), dbias, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8_format: str,

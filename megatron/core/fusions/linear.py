@@ -45,6 +45,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # [tokens, out]
         _accumulate_wgrad(ctx.weight.main_grad, dy2, x.reshape(-1, x.shape[-1]))
         ctx.weight.grad_added_to_main_grad = True
+        ctx.weight.main_grad_is_zero = False
         dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, None, dbias
 

@@ -70,10 +70,11 @@ class BiasGeLULinearFunction(torch.autograd.Function):
         if ctx.fp8_format is not None:
             wqt, w_inv = saved
             _, gq_t, g_inv = fp8.quantize(g2, fp8.E4M3, ctx.fp8_margin, transpose=True)
-            dg2, dw32 = fp8.bprop(d2.contiguous(), (gq_t, g_inv, wqt, w_inv), ctx.fp8_format, ctx.fp8_margin,
-                                  need_dx=True, need_dw=True)
+            dg2, dw = fp8.bprop(d2.contiguous(), (gq_t, g_inv, wqt, w_inv), ctx.fp8_format, ctx.fp8_margin,
+                                need_dx=True, need_dw=True,
+                                accumulate_into=ctx.weight if ctx.accumulate_into_main_grad else None)
             del g, g2
-            dweight = fp8.weight_grad(ctx.weight, dw32, ctx.accumulate_into_main_grad)
+            dweight = dw.to(weight.dtype) if dw is not None else None
             dg = dg2.view(*x.shape)
         else:
             main_grad = getattr(ctx.weight, "main_grad", None)
@@ -81,6 +82,7 @@ class BiasGeLULinearFunction(torch.autograd.Function):
                 # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
                 _accumulate_wgrad(main_grad, d2, g2)
                 ctx.weight.grad_added_to_main_grad = True
+                ctx.weight.main_grad_is_zero = False
                 dweight = None
             else:
                 dweight = d2.t().matmul(g2).to(weight.dtype)  # [h, ffn]
