@@ -6,8 +6,10 @@ and report the best next to the current default, PyTorch eager and the memory-ba
 
     python bench/kernel_sweep.py --out bench/results/kernel_sweep.json [--apply-layer-norm]
 
-The defaults live in ``TILE_CONFIG`` (megatron/core/fusions/_triton_elementwise.py) and ``LN_CONFIG``
-(_triton_layer_norm.py). ``--apply-layer-norm`` writes the LayerNorm configuration with the lowest summed
+The defaults live in ``TILE_CONFIG`` (megatron/core/fusions/_triton_elementwise.py), ``LN_CONFIG``
+(_triton_layer_norm.py), ``AMAX_CONFIG`` and ``CAST_CONFIG`` (_triton_fp8.py). ``--only fp8`` sweeps the FP8 amax
+and cast kernels on the GEMM-input shapes; ``--apply-fp8`` writes the configurations with the lowest summed
+slowdown into the source. ``--apply-layer-norm`` writes the LayerNorm configuration with the lowest summed
 slowdown over the shapes into ``LN_CONFIG``, with ``min_width`` set to the narrowest shape at which that
 configuration beat PyTorch's LayerNorm (forward + backward).
 """
@@ -128,6 +130,75 @@ def run(shape_name: str, only: str = "") -> list:
     return rows
 
 
+AMAX_CANDIDATES = [{"block": b, "programs_per_sm": p, "num_warps": w}
+                   for b in (2048, 4096, 8192, 16384) for p in (2, 4, 8, 16) for w in (4, 8)]
+CAST_CANDIDATES = [{"block_m": m, "block_n": n, "num_warps": w}
+                   for m, n in ((32, 128), (64, 64), (64, 128), (128, 64), (32, 256), (64, 256), (128, 128))
+                   for w in (4, 8)]
+FP8_SHAPES = {"1.3b": [(16384, 2048), (16384, 6144), (16384, 8192)], "124m": [(16384, 768), (16384, 3072)]}
+
+
+def sweep_fp8(shape_name: str) -> list:
+    """Time the FP8 amax+scale and cast(+transpose) kernels for every candidate launch configuration on the
+    GEMM inputs / output gradients of one model shape."""
+    import megatron.core.fusions._triton_fp8 as T
+
+    rows = []
+    for m, n in FP8_SHAPES[shape_name]:
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        scale, _ = T.scales(x, torch.float8_e4m3fn, 0)
+        for key, cands, fn, nbytes in (
+                ("AMAX_CONFIG", AMAX_CANDIDATES, lambda: T.scales(x, torch.float8_e4m3fn, 0), 2 * x.numel()),
+                ("CAST_CONFIG", CAST_CANDIDATES, lambda: T.scaled_cast(x, scale, torch.float8_e4m3fn, True),
+                 4 * x.numel())):
+            default = dict(getattr(T, key))
+            results = []
+            try:
+                for cand in cands:
+                    getattr(T, key).clear()
+                    getattr(T, key).update(cand)
+                    results.append({"config": cand, "ms": bench(fn)})
+            finally:
+                getattr(T, key).clear()
+                getattr(T, key).update(default)
+            best = min(results, key=lambda r: r["ms"])
+            rows.append({"shape": shape_name, "op": f"fp8 {key} [{m},{n}]", "default": default,
+                         "default_ms": bench(fn), "best": best["config"], "best_ms": best["ms"], "eager_ms": None,
+                         "floor_ms": nbytes / BANDWIDTH * 1e3, "all": results, "key": key})
+            r = rows[-1]
+            print(f"{shape_name} {r['op']}: default {r['default_ms']:.4f} ms, best {r['best']} {r['best_ms']:.4f} ms, "
+                  f"floor {r['floor_ms']:.4f}", flush=True)
+    return rows
+
+
+def choose_and_apply_fp8(rows: list, apply: bool) -> dict:
+    """Per config dict, the candidate with the lowest summed slowdown over all swept tensors; written into
+    _triton_fp8.py with ``apply``."""
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron", "core", "fusions",
+                        "_triton_fp8.py")
+    chosen = {}
+    for key in ("AMAX_CONFIG", "CAST_CONFIG"):
+        score: dict = {}
+        for r in (r for r in rows if r.get("key") == key):
+            for res in r["all"]:
+                k = json.dumps(res["config"])
+                score[k] = score.get(k, 0.0) + res["ms"] / r["best_ms"]
+        if score:
+            chosen[key] = json.loads(min(score, key=score.get))
+    if apply and chosen:
+        src = open(path).read()
+        for key, cfg in chosen.items():
+            line = f"{key} = " + "{" + ", ".join(f'"{k}": {v}' for k, v in cfg.items()) + "}"
+            src, n = re.subn(rf"^{key} = \{{.*\}}$", line, src, flags=re.M)
+            if n != 1:
+                raise RuntimeError(f"could not find the {key} line in {path}")
+            print("applied:", line, flush=True)
+        open(path, "w").write(src)
+    return chosen
+
+
 def choose_layer_norm(rows: list) -> dict:
     """The LayerNorm configuration with the lowest summed slowdown over the shapes, and the narrowest width at
     which it beats PyTorch's forward + backward. The backward is timed inside forward + backward (the forward at
@@ -174,13 +245,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="1.3b,124m")
     p.add_argument("--apply-layer-norm", action="store_true", help="write the chosen LayerNorm config to the source")
-    p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm"], help="sweep only these kernels")
+    p.add_argument("--apply-fp8", action="store_true", help="write the chosen FP8 cast configs to the source")
+    p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm", "fp8"],
+                   help="sweep only these kernels")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "kernel_sweep.json"))
     a = p.parse_args()
     rows = []
     for shape in a.shapes.split(","):
-        rows += run(shape, a.only)
+        if a.only != "fp8":
+            rows += run(shape, a.only)
+        if a.only in ("", "fp8"):
+            rows += sweep_fp8(shape)
     import triton
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -202,6 +278,10 @@ def main():
         lines += ["", f"LayerNorm choice (lowest summed slowdown; ours vs PyTorch fwd+bwd ms per shape "
                   f"{choice['per_shape_ms']}): min_width {choice['min_width']}, fwd {list(choice['fwd'])}, "
                   f"bwd {list(choice['bwd'])}" + (" (applied)" if a.apply_layer_norm else "")]
+    if a.only in ("", "fp8"):
+        fp8_choice = choose_and_apply_fp8(rows, a.apply_fp8)
+        lines += ["", f"FP8 choice (lowest summed slowdown over the swept tensors): {fp8_choice}"
+                  + (" (applied)" if a.apply_fp8 else "")]
     with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -17,8 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
-AMAX_BLOCK, AMAX_PROGRAMS_PER_SM = 4096, 4
+from megatron.core.fusions._triton_elementwise import _sm_count
+
+# Launch configurations; bench/kernel_sweep.py --only fp8 times the alternatives (--apply-fp8 rewrites these lines).
+AMAX_CONFIG = {"block": 4096, "programs_per_sm": 4, "num_warps": 8}
+CAST_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 8}
 
 
 @triton.jit
@@ -66,14 +69,14 @@ def _scaled_cast_kernel(X, Q, QT, SCALE, M, N, FMAX: tl.constexpr, TRANSPOSE: tl
 
 def scales(x: torch.Tensor, dtype: torch.dtype, margin: int):
     """(scale, 1/scale), one-element fp32 tensors, for a contiguous ``x`` (see ``fp8.scales``)."""
-    numel = x.numel()
-    blocks = triton.cdiv(numel, AMAX_BLOCK)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    nprog = max(1, min(blocks, AMAX_PROGRAMS_PER_SM * sms))
+    numel, cfg = x.numel(), AMAX_CONFIG
+    blocks = triton.cdiv(numel, cfg["block"])
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    nprog = max(1, min(blocks, cfg["programs_per_sm"] * _sm_count(index)))
     iters = triton.cdiv(blocks, nprog)
     nprog = triton.cdiv(blocks, iters) if blocks else 1
     part = torch.empty(nprog, device=x.device, dtype=torch.float32)
-    _amax_kernel[(nprog,)](x, part, numel, iters, BLOCK=AMAX_BLOCK, num_warps=8)
+    _amax_kernel[(nprog,)](x, part, numel, iters, BLOCK=cfg["block"], num_warps=cfg["num_warps"])
     # two allocations, not views of one: cuBLASLt wants its scale pointers aligned (a view at offset 1 is not)
     scale = torch.empty(1, device=x.device, dtype=torch.float32)
     scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
@@ -87,7 +90,8 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transp
     m, n = x.shape
     q = torch.empty((m, n), device=x.device, dtype=dtype)
     qt = torch.empty((n, m), device=x.device, dtype=dtype) if transpose else q
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    cfg = CAST_CONFIG
+    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]))
     _scaled_cast_kernel[grid](x, q, qt, scale, m, n, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose,
-                              BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+                              BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"])
     return q, (qt if transpose else None)
