@@ -4,8 +4,9 @@
 #                                                   and FP8 50-iteration training, CUDA graph): ~6 min
 #   bash bench/gpu_session.sh table [RESULTS_DIR]   the throughput table, peers, ours and ours-fp8, both shapes,
 #                                                   one run: ~6 min
-#   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm launch sweep; its best configuration is written
-#                                                   into megatron/core/fusions/_triton_layer_norm.py (commit it)
+#   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm and FP8-cast launch sweeps; the best
+#                                                   configurations are written into megatron/core/fusions/
+#                                                   _triton_layer_norm.py and _triton_fp8.py (commit them)
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ case "$what" in
         --ours-shape-args "1.3b:--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12" \
         --ours-shape-args "124m:--enable-cuda-graph" --ours-fp8-shape-args "124m:--enable-cuda-graph" | grep "^|" ;;
   sweep)
-    python bench/kernel_sweep.py --only layer_norm --apply-layer-norm --out "$R/kernel_sweep_ln.json" | tail -3 ;;
+    python bench/kernel_sweep.py --only layer_norm --apply-layer-norm --out "$R/kernel_sweep_ln.json" | tail -3
+    python bench/kernel_sweep.py --only fp8 --apply-fp8 --out "$R/kernel_sweep_fp8.json" | tail -3 ;;
   *) echo "unknown step $what (tests, table or sweep)" >&2; exit 2 ;;
 esac
