@@ -1,0 +1,58 @@
+"""FP8 (--fp8-format) through pretrain_gpt.py on CPU, where torch._scaled_mm runs the same arithmetic: the places
+where FP8 promises exactness.
+
+- Recomputation reruns the same quantization: full and selective recomputation print the losses of the FP8 run
+  without it, bit for bit.
+- Data parallelism: each rank quantizes its own microbatches, exactly as gradient accumulation does in one
+  process. So DP=2 prints the single-process FP8 losses. This also checks the weight-gradient paths: the first
+  microbatch writes into the freshly zeroed buffer, later ones add.
+- FP8 keeps no state: an FP8 run resumes bit-exactly, and a bf16 checkpoint resumes under FP8.
+"""
+
+import os
+
+import pytest
+
+from tests.functional.harness import assert_same_losses, gpt_args, losses
+
+FP8 = {"bf16": True, "fp8_format": "hybrid"}
+
+
+@pytest.fixture(scope="module")
+def fp8_run(data_prefix):
+    return losses(gpt_args(data_prefix, **FP8))
+
+
+@pytest.mark.parametrize("recompute", [
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    {"recompute_granularity": "selective"},
+    {"recompute_granularity": "selective", "recompute_modules": "mlp_act", "recompute_num_layers": 2},
+], ids=["full", "selective", "selective-mlp_act-2-layers"])
+def test_recomputation_is_exact_under_fp8(data_prefix, fp8_run, recompute):
+    run = losses(gpt_args(data_prefix, **FP8, **recompute))
+    assert_same_losses(fp8_run, run, rel=0.0, keys=("lm loss", "grad norm"))
+
+
+@pytest.mark.parametrize("extra", [{}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}],
+                         ids=["ddp", "distributed-optimizer-overlap"])
+def test_data_parallel_matches_gradient_accumulation_under_fp8(data_prefix, fp8_run, extra):
+    run = losses(gpt_args(data_prefix, **FP8, **extra), nproc=2)
+    assert_same_losses(fp8_run, run, rel=1e-5, keys=("lm loss", "grad norm"))
+
+
+def test_fp8_resume_is_bit_exact_and_a_bf16_checkpoint_resumes_under_fp8(data_prefix, tmp_path):
+    straight = losses(gpt_args(data_prefix, train_iters=12, **FP8))
+    ckpt = str(tmp_path / "fp8")
+    first = losses(gpt_args(data_prefix, train_iters=12, exit_interval=6, save=ckpt, **FP8))
+    second = losses(gpt_args(data_prefix, train_iters=12, load=ckpt, **FP8))
+    assert sorted(second) == list(range(7, 13))
+    assert_same_losses(straight, {**first, **second}, rel=0.0, keys=("lm loss", "grad norm"))
+
+    bf16_ckpt = str(tmp_path / "bf16")
+    losses(gpt_args(data_prefix, train_iters=12, exit_interval=6, save=bf16_ckpt, bf16=True))
+    assert os.path.exists(os.path.join(bf16_ckpt, "latest_checkpointed_iteration.txt"))
+    bf16_rest = losses(gpt_args(data_prefix, train_iters=12, load=bf16_ckpt, bf16=True))
+    fp8_rest = losses(gpt_args(data_prefix, train_iters=12, load=bf16_ckpt, **FP8))
+    assert sorted(fp8_rest) == list(range(7, 13))
+    for it in fp8_rest:  # the same weights and optimizer state continue, now with FP8 GEMMs
+        assert abs(fp8_rest[it]["lm loss"] - bf16_rest[it]["lm loss"]) < 0.05, it
