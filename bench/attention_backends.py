@@ -12,14 +12,15 @@ of 64), q, k, v are the strided per-head views of one ``[s, b, n, 3d]`` bf16 QKV
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import run_meta, write_results  # noqa: E402
 
 SHAPES = {"1.3b": dict(b=8, s=2048, n=16, d=128, layers=24), "124m": dict(b=16, s=1024, n=12, d=64, layers=12)}
 BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -69,15 +70,7 @@ def main() -> None:
                          "fwd_bwd_tflops": round(3.5 * fwd_flops / both / 1e9, 1),
                          "per_iteration_ms": round(both * sh["layers"], 2), "rel_err_vs_default": err})
             print(rows[-1], flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "command": "python bench/attention_backends.py " + " ".join(sys.argv[1:])}
-    os.makedirs(a.results_dir, exist_ok=True)
-    with open(os.path.join(a.results_dir, "attention_backends.json"), "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=2)
-    md = [f"# Causal attention kernels ({meta['date']})", "",
-          f"GPU: {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}). Command: `{meta['command']}`", "",
-          "bf16, q/k/v strided views of one [s, b, n, 3d] tensor. TFLOP/s count the causal half only "
+    md = ["bf16, q/k/v strided views of one [s, b, n, 3d] tensor. TFLOP/s count the causal half only "
           "(backward = 2.5x forward). Per iteration = forward+backward x layers.", "",
           "| shape | backend | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | per iteration ms | rel. err |",
           "|---|---|---|---|---|---|---|---|"]
@@ -88,9 +81,8 @@ def main() -> None:
             md.append(f"| {r['shape']} | {r['backend']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
                       f"{r['fwd_tflops']} | {r['fwd_bwd_tflops']} | {r['per_iteration_ms']} | "
                       f"{r['rel_err_vs_default']:.1e} |")
-    with open(os.path.join(a.results_dir, "attention_backends.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-
+    write_results(a.results_dir, "attention_backends", run_meta("attention_backends.py"), rows,
+                  "Causal attention kernels", md)
 
 if __name__ == "__main__":
     main()

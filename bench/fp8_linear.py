@@ -11,14 +11,14 @@ pieces of the FP8 path (amax, cast, each GEMM) alone. Writes ``fp8_linear.{json,
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import run_meta, write_results  # noqa: E402
 
 from megatron.core.fusions import fp8  # noqa: E402
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion  # noqa: E402
@@ -73,15 +73,7 @@ def main() -> None:
                      "parts_ms": {p: round(v, 4) for p, v in parts.items()}})
         print(rows[-1], flush=True)
         del w.main_grad
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "command": "python bench/fp8_linear.py " + " ".join(sys.argv[1:])}
-    os.makedirs(a.results_dir, exist_ok=True)
-    with open(os.path.join(a.results_dir, "fp8_linear.json"), "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=2)
-    md = [f"# FP8 linear layers against bf16 ({meta['date']})", "",
-          f"GPU: {meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}). Command: `{meta['command']}`", "",
-          "Forward + backward of one linear (no bias), weight gradient added into an fp32 main_grad; FP8 = hybrid "
+    md = ["Forward + backward of one linear (no bias), weight gradient added into an fp32 main_grad; FP8 = hybrid "
           "with tensorwise current scaling, all casts included. TFLOP/s = 6 x tokens x in x out / time.", "",
           "| layer | bf16 ms | fp8 ms | speedup | bf16 TFLOP/s | fp8 TFLOP/s | saved per iteration ms | "
           "fp8 parts ms |", "|---|---|---|---|---|---|---|---|"]
@@ -89,9 +81,7 @@ def main() -> None:
         parts = ", ".join(f"{p} {v:.3f}" for p, v in r["parts_ms"].items())
         md.append(f"| {r['layer']} | {r['bf16_ms']:.3f} | {r['fp8_ms']:.3f} | {r['speedup']:.2f}x | "
                   f"{r['bf16_tflops']} | {r['fp8_tflops']} | {r['saved_ms_per_iteration']} | {parts} |")
-    with open(os.path.join(a.results_dir, "fp8_linear.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-
+    write_results(a.results_dir, "fp8_linear", run_meta("fp8_linear.py"), rows, "FP8 linear layers against bf16", md)
 
 if __name__ == "__main__":
     main()
