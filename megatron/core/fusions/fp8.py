@@ -75,7 +75,8 @@ def _scales_torch(x: torch.Tensor, dtype: torch.dtype, margin: int) -> Tuple[tor
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool = False):
-    """(q, q^T or None, 1/scale) for a contiguous 2D ``x``: ``q = saturate(x * scale)`` in ``dtype``."""
+    """(q, q^T or None, 1/scale) for a 2D ``x``: ``q = saturate(x * scale)`` in ``dtype``."""
+    x = x.contiguous()  # the Triton kernels index a dense row-major tensor (a no-op for every caller here)
     scale, scale_inv = scales(x, dtype, margin)
     if HAVE_TRITON and x.is_cuda:
         q, qt = _triton_scaled_cast(x, scale, dtype, transpose)
@@ -138,9 +139,10 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, fp8_format: str, margin: int, accumulate: bool):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y, saved = fprop(x2, weight, bias, margin, keep_x=weight.requires_grad)
+        keep_x = ctx.needs_input_grad[1]  # q(x)^T is only needed for the weight gradient
+        y, saved = fprop(x2, weight, bias, margin, keep_x=keep_x)
         ctx.save_for_backward(*(t for t in saved if t is not None))
-        ctx.keep_x, ctx.weight = weight.requires_grad, weight
+        ctx.keep_x, ctx.weight = keep_x, weight
         ctx.fp8_format, ctx.margin, ctx.accumulate, ctx.has_bias = fp8_format, margin, accumulate, bias is not None
         return y.view(*x.shape[:-1], weight.shape[0])
 

@@ -72,7 +72,6 @@ class TransformerConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend}")
-
         if self.fp8 is not None and self.fp8 not in ("e4m3", "hybrid"):
             raise ValueError(f"--fp8-format must be e4m3 or hybrid, got {self.fp8}")
         if self.fp8_margin < 0:
