@@ -1,10 +1,15 @@
-"""Run a test body in several CPU processes joined by the gloo backend.
+"""Run a test body in several processes joined by torch.distributed (gloo on CPU by default).
 
     def body(rank, world_size, arg):      # module-level, so it pickles
         pstate = ParallelState.build(tensor_model_parallel_size=world_size)
         ...                                # assert freely: a failure in any rank fails the test
 
     run_distributed(body, world_size=4, args=(arg,))
+    run_distributed(body, world_size=2, backend="nccl", cuda=True)   # one GPU per rank
+    run_distributed(body, world_size=2, cuda=True)                   # gloo, every rank on GPU 0
+
+With ``cuda=True`` each rank's current device is set before the group is created: GPU ``rank`` under NCCL
+(also passed as the group's ``device_id``), GPU 0 for every rank under gloo.
 """
 
 from __future__ import annotations
@@ -25,14 +30,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, err_dir):
+def _worker(rank, world_size, port, fn, args, err_dir, backend, cuda):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        kwargs = {}
+        if cuda:
+            device = torch.device("cuda", rank if backend == "nccl" else 0)
+            torch.cuda.set_device(device)
+            if backend == "nccl":
+                kwargs["device_id"] = device
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
         fn(rank, world_size, *args)
         dist.barrier()
     except BaseException:  # report the failure to the parent with its traceback
@@ -44,12 +55,12 @@ def _worker(rank, world_size, port, fn, args, err_dir):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, args: tuple = ()) -> None:
+def run_distributed(fn, world_size: int, args: tuple = (), backend: str = "gloo", cuda: bool = False) -> None:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; raise if any fails."""
     with tempfile.TemporaryDirectory() as err_dir:
         try:
             mp.start_processes(
-                _worker, args=(world_size, _free_port(), fn, args, err_dir), nprocs=world_size,
+                _worker, args=(world_size, _free_port(), fn, args, err_dir, backend, cuda), nprocs=world_size,
                 join=True, start_method="spawn",
             )
         except Exception as exc:

@@ -2,15 +2,11 @@
 collectives (native all_gather_into_tensor / reduce_scatter_tensor) on two. Skipped without the GPUs; the gloo
 tests cover the same math on CPU."""
 
-import os
-import tempfile
-import traceback
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megatron.core.parallel_state import ParallelState
@@ -27,33 +23,17 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel import mappings as M
 from megatron.core.transformer.config import TransformerConfig
-from tests.dist_utils import _free_port
+from tests.dist_utils import run_distributed
 
 WORLD = 2
 S, B, H, FFN, V = 8, 2, 16, 32, 24
-
-
-def _worker(rank, port, err_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
-        _body(rank)
-        dist.barrier()
-    except BaseException:
-        with open(os.path.join(err_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _rand(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).cuda()
 
 
-def _body(rank):
+def _body(rank, world_size):
     ps = ParallelState.build(tensor_model_parallel_size=WORLD)
     g, r = ps.tp_group, ps.tp_rank
     close = dict(rtol=1e-5, atol=1e-5)
@@ -141,12 +121,7 @@ def _body(rank):
 
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA devices (NCCL)")
 def test_nccl_path():
-    with tempfile.TemporaryDirectory() as err_dir:
-        try:
-            mp.start_processes(_worker, args=(_free_port(), err_dir), nprocs=WORLD, join=True, start_method="spawn")
-        except Exception as exc:
-            msgs = [open(os.path.join(err_dir, n)).read() for n in sorted(os.listdir(err_dir))]
-            raise AssertionError("NCCL test failed:\n" + "\n".join(msgs)) from exc
+    run_distributed(_body, WORLD, backend="nccl", cuda=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
