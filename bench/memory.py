@@ -5,7 +5,8 @@ bytes of every tensor autograd keeps for backward (``torch.autograd.graph.saved_
 storage, parameters excluded), divided by the number of layers. On CUDA the growth of
 ``torch.cuda.memory_allocated`` across the forward pass is recorded too. Configurations: recompute none /
 selective / full (uniform, 1 layer per group), attention backend unfused (the paper's explicit softmax) and sdpa
-(flash), tensor parallelism 1 and 2 with and without sequence parallelism (gloo processes on CPU).
+(flash), tensor parallelism 1 and 2 with and without sequence parallelism (gloo processes on CPU), and FP8 GEMMs
+(``--fp8-format hybrid``) without and with selective recomputation.
 
 Paper formulas (bytes per layer, 16-bit activations, 1-byte dropout masks), ``t`` = TP size:
   no parallelism           sbh (34 + 5as/h)
@@ -76,7 +77,7 @@ class SavedBytes:
 
 
 def measure(shape: dict, recompute: str, backend: str, pstate: ParallelState, sp: bool, device: str,
-            dropout: float, layers: int) -> dict:
+            dropout: float, layers: int, fp8: str = None) -> dict:
     """Forward one block of ``layers`` layers on random input; return saved bytes per layer (and allocator delta)."""
     s, b, h, a = shape["s"], shape["b"], shape["h"], shape["a"]
     tensor_parallel.model_parallel_seed(1234, pstate)
@@ -88,7 +89,7 @@ def measure(shape: dict, recompute: str, backend: str, pstate: ParallelState, sp
                             sequence_parallel=sp, attention_backend=backend,
                             recompute_granularity=None if recompute == "none" else recompute,
                             recompute_method="uniform" if recompute == "full" else None,
-                            recompute_num_layers=1 if recompute == "full" else None)
+                            recompute_num_layers=1 if recompute == "full" else None, fp8=fp8)
     block = TransformerBlock(cfg, pstate, layers, post_layer_norm=False).to(device)
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -111,7 +112,7 @@ def measure(shape: dict, recompute: str, backend: str, pstate: ParallelState, sp
     sbh = s * b * h
     t = pstate.tp_size
     predicted = paper_formula(recompute, s, b, h, a, t, sp)
-    return {"recompute": recompute, "attention": backend, "tp": t, "sp": sp, "dropout": dropout,
+    return {"recompute": recompute, "attention": backend, "tp": t, "sp": sp, "dropout": dropout, "fp8": fp8,
             "saved_bytes_per_layer": saved, "saved_per_sbh": round(saved / sbh, 3),
             "alloc_delta_per_sbh": None if delta is None else round(delta / sbh, 3),
             "paper_per_sbh": round(predicted / sbh, 3), "by_dtype": counter.by_dtype,
@@ -146,6 +147,9 @@ def main() -> None:
         for rc in ("none", "selective", "full"):
             rows.append(measure(shape, rc, backend, single, False, a.device, a.dropout, a.layers))
             print(rows[-1], flush=True)
+    for backend, rc in (("unfused", "none"), ("sdpa", "none"), ("sdpa", "selective")):  # --fp8-format hybrid
+        rows.append(measure(shape, rc, backend, single, False, a.device, a.dropout, a.layers, fp8="hybrid"))
+        print(rows[-1], flush=True)
     if a.tp > 1 and a.device == "cpu":
         import tempfile
 
@@ -173,12 +177,17 @@ def main() -> None:
           f"s={s}, b={b}, h={h}, a={hd} (5as/h = {5 * hd * s / h:.0f}), bf16 activations, dropout {a.dropout}, "
           f"{a.layers} layers; command `{meta['command']}`.", "",
           "Measured = bytes of the distinct storages autograd saves in one forward pass (parameters excluded), "
-          "per layer, divided by s*b*h. Paper = Korthikanti et al. 2022, Table 2.", "",
-          "| recompute | attention | TP | SP | measured / sbh | " +
+          "per layer, divided by s*b*h. Paper = Korthikanti et al. 2022, Table 2 (16-bit activations). The FP8 rows "
+          "keep each GEMM input as a 1-byte transposed copy (7 sbh per layer) instead of the 16-bit tensors only "
+          "the GEMMs needed (12 sbh: both LayerNorm outputs and the GeLU output; the attention output is kept by "
+          "the attention backward anyway), plus the transposed FP8 weights (12h^2 bytes per layer: 3 sbh at this "
+          "small h, 1.5 sbh at the 1.3B shape).", "",
+          "| recompute | attention | TP | SP | GEMMs | measured / sbh | " +
           ("allocator delta / sbh | " if a.device == "cuda" else "") + "paper / sbh |",
-          "|---|---|---|---|---|" + ("---|" if a.device == "cuda" else "") + "---|"]
+          "|---|---|---|---|---|---|" + ("---|" if a.device == "cuda" else "") + "---|"]
     for r in rows:
-        md.append(f"| {r['recompute']} | {r['attention']}{'' if r['attention_dropout'] else ' (no attn dropout)'} | {r['tp']} | {'yes' if r['sp'] else 'no'} | "
+        md.append(f"| {r['recompute']} | {r['attention']}{'' if r['attention_dropout'] else ' (no attn dropout)'} | "
+                  f"{r['tp']} | {'yes' if r['sp'] else 'no'} | {'fp8 ' + r['fp8'] if r.get('fp8') else 'bf16'} | "
                   f"{r['saved_per_sbh']} | " + (f"{r['alloc_delta_per_sbh']} | " if a.device == "cuda" else "")
                   + f"{r['paper_per_sbh']} |")
     with open(a.out + ".md", "w") as f:
