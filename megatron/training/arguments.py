@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.fusions.fp8 import FP8_FORMATS
+
 # Megatron-LM flags this framework knows but does not implement: named in the error instead of "unrecognized".
 UNSUPPORTED_MEGATRON_FLAGS = {
     "--num-experts": "mixture of experts",
@@ -99,7 +101,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
+    g.add_argument("--fp8-format", default=None, choices=list(FP8_FORMATS),
                    help="FP8 GEMMs in the transformer layers' linears (needs --bf16 and an FP8 GPU, sm89+): e4m3 "
                         "everywhere, or hybrid (E5M2 output gradients)")
     g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise"],

@@ -7,6 +7,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core.fusions.fp8 import FP8_FORMATS
+
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
 
@@ -40,7 +42,7 @@ class TransformerConfig:
     use_fused_kernels: bool = True  # fused element-wise kernels on CUDA; plain PyTorch elsewhere
     # weight-gradient GEMMs accumulate straight into the fp32 main_grad buffer (CUDA; a no-op elsewhere)
     gradient_accumulation_fusion: bool = True
-    # FP8 GEMMs in the transformer layers' linears: None, "e4m3" or "hybrid" (megatron/core/fusions/fp8.py)
+    # FP8 GEMMs in the transformer layers' linears: None or one of fp8.FP8_FORMATS (megatron/core/fusions/fp8.py)
     fp8: Optional[str] = None
     fp8_margin: int = 0
 
@@ -72,8 +74,8 @@ class TransformerConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend}")
-        if self.fp8 is not None and self.fp8 not in ("e4m3", "hybrid"):
-            raise ValueError(f"--fp8-format must be e4m3 or hybrid, got {self.fp8}")
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8}")
         if self.fp8_margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.fp8_margin}")
 
