@@ -79,6 +79,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
+                   help="on CUDA, use torch's fused AdamW and a separate copy into the bf16/fp16 params instead of "
+                        "the Triton AdamW that writes them in its update")
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)

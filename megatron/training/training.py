@@ -74,6 +74,7 @@ class Trainer:
             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
             hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather, capturable=args.enable_cuda_graph,
+            fused_adamw=args.fused_adamw,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, model, pstate)
         self.scheduler = OptimizerParamScheduler(

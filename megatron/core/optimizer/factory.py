@@ -6,6 +6,7 @@ from typing import List
 
 import torch
 
+from megatron.core.optimizer.fused_adamw import FusedAdamW, fused_adamw_available
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -38,15 +39,22 @@ def _apex_fused_adam():
         return None
 
 
-def make_torch_optimizer(config: OptimizerConfig, groups: List[dict], device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (apex FusedAdam when importable on CUDA, else torch's fused/foreach AdamW) or SGD over ``groups``.
+def make_torch_optimizer(config: OptimizerConfig, groups: List[dict], device: torch.device,
+                         for_model_copies: bool = False) -> torch.optim.Optimizer:
+    """AdamW or SGD over ``groups``.
 
-    ``config.capturable`` always selects torch's fused AdamW with ``capturable=True`` (it skips its own update
-    when given ``found_inf``, which a CUDA-graph-captured step relies on).
+    AdamW for fp32 main params with 16-bit model copies (``for_model_copies``) on CUDA is our Triton
+    :class:`FusedAdamW`, which writes the copies in its update, unless ``config.fused_adamw`` is off or Triton is
+    missing. Otherwise: apex's FusedAdam when importable, else torch's fused AdamW; on the CPU torch's foreach
+    AdamW. ``config.capturable`` needs a step that honours ``found_inf`` and reads a device learning rate (CUDA-graph
+    capture): FusedAdamW, or torch's fused AdamW with ``capturable=True``.
     """
     on_cuda = device.type == "cuda"
     if config.optimizer == "adam":
         betas = (config.adam_beta1, config.adam_beta2)
+        if for_model_copies and config.fused_adamw and fused_adamw_available(device):
+            return FusedAdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
+                              weight_decay=config.weight_decay, capturable=config.capturable)
         if config.capturable:
             return torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
                                      weight_decay=config.weight_decay, fused=True, capturable=True)
@@ -106,6 +114,6 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, pstate) -> Meg
         return DistributedOptimizer(config, lambda gs: make_torch_optimizer(config, gs, device), groups,
                                     model_chunks, pstate, scaler, device)
     if config.bf16 or config.fp16:
-        return MixedPrecisionOptimizer(config, lambda gs: make_torch_optimizer(config, gs, device), groups,
+        return MixedPrecisionOptimizer(config, lambda gs: make_torch_optimizer(config, gs, device, True), groups,
                                        model_chunks, pstate, scaler, device)
     return FP32Optimizer(config, make_torch_optimizer(config, groups, device), model_chunks, pstate, scaler, device)

@@ -20,6 +20,7 @@ import torch
 from megatron.core.optimizer.clip_grads import (
     clip_grads_by_total_norm, found_inf_in, global_grad_norm, global_grad_norm_tensor, param_counts_for_norm,
 )
+from megatron.core.optimizer.fused_adamw import FusedAdamW
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
@@ -274,6 +275,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                 mains.append(main)
             main_groups.append(dict(group, params=mains))
         super().__init__(config, make_optimizer(main_groups), model_chunks, pstate, grad_scaler, device)
+        if isinstance(self.optimizer, FusedAdamW) and all(p.is_contiguous() for p in self.model_params):
+            # its update writes the model params too: no separate copy pass
+            self.optimizer.set_model_params(zip(self.main_params, self.model_params))
 
     def _copy_model_grads_to_main(self) -> None:
         for model, main in zip(self.model_params, self.main_params):
@@ -288,7 +292,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                 if main.grad is not None and param_counts_for_norm(model, self.pstate)]
 
     def _copy_main_params_to_model(self) -> None:
-        if self.model_params:
+        if self.model_params and not (isinstance(self.optimizer, FusedAdamW) and self.optimizer.writes_model_params):
             torch._foreach_copy_([p.data for p in self.model_params], [m.data for m in self.main_params])
 
     def _release_grads(self) -> None:

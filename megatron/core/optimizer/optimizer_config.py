@@ -22,8 +22,11 @@ class OptimizerConfig:
         the model chunks must be wrapped with ``DDPConfig(use_distributed_optimizer=True)``.
     overlap_param_gather: leave the post-step parameter all-gather in flight and wait for each bucket in the
         next forward (``--overlap-param-gather``; distributed optimizer only).
-    capturable: build torch's fused AdamW with ``capturable=True`` so that ``step_without_sync()`` can be captured
-        in a CUDA graph (``--enable-cuda-graph``); the learning rate may then be a device tensor.
+    capturable: build a fused AdamW whose step can be captured in a CUDA graph (``step_without_sync()``,
+        ``--enable-cuda-graph``); the learning rate may then be a device tensor.
+    fused_adamw: on CUDA with Triton, step AdamW with :class:`~megatron.core.optimizer.fused_adamw.FusedAdamW`,
+        which also writes the bf16/fp16 model params in the same pass (``--no-fused-adamw`` selects torch's
+        fused AdamW plus a separate copy).
     """
 
     optimizer: str = "adam"
@@ -45,6 +48,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     capturable: bool = False
+    fused_adamw: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):

@@ -1,0 +1,154 @@
+"""The Triton AdamW (megatron/core/optimizer/fused_adamw.py) against torch's fused AdamW (GPU only).
+
+Same hyperparameters, same grads, several steps: the fp32 params and moments must agree within fp32 rounding,
+the 16-bit model copies must equal the params cast by PyTorch, a skipped step (``found_inf``) must change
+nothing, ``grad_scale`` must divide the grads, a CUDA-graph-captured step must equal the eager one, and state
+dicts must move between the two optimizers. The trainer uses it by default (tests/gpu/test_fused_training.py,
+test_cuda_graph.py); ``--no-fused-adamw`` selects torch's.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SHAPES = [(37, 5), (3000,), (2048,), (1,), (129, 257)]
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _params(seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in SHAPES]
+
+
+def _groups(params):
+    return [{"params": params[:2] + params[4:], "weight_decay": 0.1}, {"params": params[2:4], "weight_decay": 0.0}]
+
+
+def _pair(dtype=torch.bfloat16):
+    from megatron.core.optimizer.fused_adamw import FusedAdamW
+
+    ref, ours = _params(), _params()
+    torch_opt = torch.optim.AdamW(_groups(ref), fused=True, **HYPER)
+    fused = FusedAdamW(_groups(ours), **HYPER)
+    copies = [torch.empty(p.shape, dtype=dtype, device="cuda") for p in ours]
+    fused.set_model_params(zip(ours, copies))
+    return ref, ours, torch_opt, fused, copies
+
+
+def _set_grads(params_lists, step, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(100 + step)
+    grads = [torch.randn(s, device="cuda", generator=g) for s in SHAPES]
+    for params in params_lists:
+        for p, gr in zip(params, grads):
+            p.grad = gr * scale
+
+
+def _assert_close(ref, ours):
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_torch_fused_adamw(dtype):
+    ref, ours, torch_opt, fused, copies = _pair(dtype)
+    for step in range(6):
+        _set_grads([ref, ours], step)
+        torch_opt.step()
+        fused.step()
+        _assert_close(ref, ours)
+        for p, c in zip(ours, copies):
+            assert torch.equal(c, p.detach().to(dtype))
+    for a, b in zip(ref, ours):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused.state[b][key], torch_opt.state[a][key], rtol=1e-5, atol=1e-9)
+        assert float(fused.state[b]["step"]) == float(torch_opt.state[a]["step"]) == 6
+
+
+def test_grad_scale_and_found_inf():
+    ref, ours, torch_opt, fused, copies = _pair()
+    _set_grads([ref, ours], 0)
+    torch_opt.step()
+    fused.step()
+    before = [p.detach().clone() for p in ours]
+    copies_before = [c.clone() for c in copies]
+    _set_grads([ours], 1)
+    fused.grad_scale = torch.tensor(4.0, device="cuda")
+    fused.found_inf = torch.tensor(1.0, device="cuda")
+    fused.step()  # skipped: nothing moves, the step count stays
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, ours))
+    assert all(torch.equal(a, b) for a, b in zip(copies_before, copies))
+    assert float(fused.state[ours[0]]["step"]) == 1
+    fused.found_inf = torch.tensor(0.0, device="cuda")
+    _set_grads([ref], 1, scale=0.25)  # torch gets the grads already divided by 4
+    torch_opt.step()
+    fused.step()
+    del fused.grad_scale, fused.found_inf
+    _assert_close(ref, ours)
+
+
+def test_captured_step_equals_eager():
+    from megatron.core.optimizer.fused_adamw import FusedAdamW
+
+    eager_p, graph_p = _params(), _params()
+    eager = FusedAdamW(_groups(eager_p), **HYPER)
+    graph = FusedAdamW(_groups(graph_p), capturable=True, **HYPER)
+    copies = [torch.empty(p.shape, dtype=torch.bfloat16, device="cuda") for p in graph_p]
+    graph.set_model_params(zip(graph_p, copies))
+    lrs = [torch.tensor(1e-2, device="cuda") for _ in graph.param_groups]
+    _set_grads([eager_p, graph_p], 0)
+    eager.step()
+    graph.step()  # the first step (eager) builds the state and the launch tables
+    static = [p.grad for p in graph_p]
+    floats = [grp["lr"] for grp in graph.param_groups]
+    for grp, t in zip(graph.param_groups, lrs):
+        grp["lr"] = t
+    cuda_graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(cuda_graph):
+        graph.step()
+    for grp, v in zip(graph.param_groups, floats):
+        grp["lr"] = v
+    # capturing ran nothing; now replay with new grads and a new learning rate per step
+    for step in range(1, 4):
+        lr = 1e-2 / step
+        for grp in eager.param_groups:
+            grp["lr"] = lr
+        for t in lrs:
+            t.fill_(lr)
+        _set_grads([eager_p], step)
+        g = torch.Generator(device="cuda").manual_seed(100 + step)
+        for buf, s in zip(static, SHAPES):
+            buf.copy_(torch.randn(s, device="cuda", generator=g))
+        eager.step()
+        cuda_graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(eager_p, graph_p)
+    for p, c in zip(graph_p, copies):
+        assert torch.equal(c, p.detach().to(torch.bfloat16))
+
+
+def test_state_dict_moves_between_torch_and_fused():
+    from megatron.core.optimizer.fused_adamw import FusedAdamW
+
+    ref, ours, torch_opt, fused, _ = _pair()
+    for step in range(3):
+        _set_grads([ref, ours], step)
+        torch_opt.step()
+        fused.step()
+    # fused -> torch: each param gets its own step tensor, so torch's AdamW counts each once
+    p_torch = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    t2 = torch.optim.AdamW(_groups(p_torch), fused=True, **HYPER)
+    t2.load_state_dict(fused.state_dict())
+    # torch -> fused
+    p_fused = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    f2 = FusedAdamW(_groups(p_fused), **HYPER)
+    f2.load_state_dict(torch_opt.state_dict())
+    for step in range(3, 6):
+        _set_grads([ref, ours, p_torch, p_fused], step)
+        for opt in (torch_opt, fused, t2, f2):
+            opt.step()
+    _assert_close(ref, p_torch)
+    _assert_close(ref, p_fused)
+    _assert_close(ref, ours)
+    assert all(float(t2.state[p]["step"]) == 6 for p in p_torch)
