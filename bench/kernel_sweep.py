@@ -9,7 +9,10 @@ and report the best next to the current default, PyTorch eager and the memory-ba
 The defaults live in ``TILE_CONFIG`` (megatron/core/fusions/_triton_elementwise.py), ``LN_CONFIG``
 (_triton_layer_norm.py), ``AMAX_CONFIG`` and ``CAST_CONFIG`` (_triton_fp8.py). ``--only fp8`` sweeps the FP8 amax
 and cast kernels on the GEMM-input shapes; ``--apply-fp8`` writes the configurations with the lowest summed
-slowdown into the source. ``--apply-layer-norm`` writes the LayerNorm configuration with the lowest summed
+slowdown into the source. ``--only colsum`` sweeps ``COLSUM_CONFIG`` (_triton_elementwise.py), the column sum of
+the bias gradients, on the [tokens, hidden] and [tokens, 3 * hidden] gradients of each shape, next to PyTorch's
+``x.sum(0)``; ``--apply-colsum`` writes the configuration with the lowest summed slowdown into the source.
+``--apply-layer-norm`` writes the LayerNorm configuration with the lowest summed
 slowdown over the shapes into ``LN_CONFIG``, with ``min_width`` set to the narrowest shape at which that
 configuration beat PyTorch's LayerNorm (forward + backward).
 """
@@ -171,31 +174,98 @@ def sweep_fp8(shape_name: str) -> list:
     return rows
 
 
+COLSUM_CANDIDATES = [{"block_m": m, "block_n": n, "num_warps": w, "programs_per_sm": p}
+                     for m in (16, 32, 64) for n in (64, 128, 256, 512) for w in (4, 8) for p in (1, 2, 4, 8)
+                     if m * n <= 128 * 32 * w]  # at most 128 fp32 accumulators per thread
+
+
+def colsum_shapes(shape_name: str) -> list:
+    """[tokens, n] of the bias gradients of one model shape: n = hidden (projection, FC2) and 3 * hidden (QKV)."""
+    tokens, h = SHAPES[shape_name]
+    return [(tokens, h), (tokens, 3 * h)]
+
+
+def sweep_colsum(shape_name: str) -> list:
+    """Time ``column_sum`` (bf16 in and out) for every candidate COLSUM_CONFIG on the bias-gradient shapes of one
+    model shape, next to PyTorch's ``x.sum(0)``."""
+    import megatron.core.fusions._triton_elementwise as E
+
+    rows = []
+    for m, n in colsum_shapes(shape_name):
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        ref = x.float().sum(0)
+        fn = lambda: E.column_sum(x, torch.bfloat16)  # noqa: E731
+        default = dict(E.COLSUM_CONFIG)
+        results = []
+        try:
+            for cand in COLSUM_CANDIDATES:
+                E.COLSUM_CONFIG.clear()
+                E.COLSUM_CONFIG.update(cand)
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    raise RuntimeError(f"column_sum with {cand} on [{m},{n}]: relative error {err}")
+                results.append({"config": cand, "ms": bench(fn)})
+        finally:
+            E.COLSUM_CONFIG.clear()
+            E.COLSUM_CONFIG.update(default)
+        best = min(results, key=lambda r: r["ms"])
+        rows.append({"shape": shape_name, "op": f"colsum [{m},{n}]", "default": default, "default_ms": bench(fn),
+                     "best": best["config"], "best_ms": best["ms"], "eager_ms": bench(lambda: x.sum(0)),
+                     "floor_ms": m * n * 2 / BANDWIDTH * 1e3, "all": results, "key": "COLSUM_CONFIG"})
+        r = rows[-1]
+        print(f"{shape_name} {r['op']}: default {r['default_ms']:.4f} ms, best {r['best']} {r['best_ms']:.4f} ms, "
+              f"torch {r['eager_ms']:.4f} ms, floor {r['floor_ms']:.4f}", flush=True)
+    return rows
+
+
+def _lowest_summed_slowdown(rows: list, key: str):
+    """The config (a dict) of ``key`` whose time divided by the best time, summed over the swept tensors, is
+    lowest; None when nothing of ``key`` was swept."""
+    score: dict = {}
+    for r in (r for r in rows if r.get("key") == key):
+        for res in r["all"]:
+            k = json.dumps(res["config"])
+            score[k] = score.get(k, 0.0) + res["ms"] / r["best_ms"]
+    return json.loads(min(score, key=score.get)) if score else None
+
+
+def _write_config_line(path: str, key: str, cfg: dict) -> None:
+    """Replace the one-line ``KEY = {...}`` assignment in ``path`` by ``cfg``."""
+    import re
+
+    src = open(path).read()
+    line = f"{key} = " + "{" + ", ".join(f'"{k}": {v}' for k, v in cfg.items()) + "}"
+    src, n = re.subn(rf"^{key} = \{{.*\}}$", line, src, flags=re.M)
+    if n != 1:
+        raise RuntimeError(f"could not find the {key} line in {path}")
+    open(path, "w").write(src)
+    print("applied:", line, flush=True)
+
+
+def choose_and_apply_colsum(rows: list, apply: bool):
+    """The COLSUM_CONFIG with the lowest summed slowdown over all swept bias-gradient shapes; written into
+    _triton_elementwise.py with ``apply``."""
+    chosen = _lowest_summed_slowdown(rows, "COLSUM_CONFIG")
+    if apply and chosen is not None:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron", "core",
+                            "fusions", "_triton_elementwise.py")
+        _write_config_line(path, "COLSUM_CONFIG", chosen)
+    return chosen
+
+
 def choose_and_apply_fp8(rows: list, apply: bool) -> dict:
     """Per config dict, the candidate with the lowest summed slowdown over all swept tensors; written into
     _triton_fp8.py with ``apply``."""
-    import re
-
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron", "core", "fusions",
                         "_triton_fp8.py")
     chosen = {}
     for key in ("AMAX_CONFIG", "CAST_CONFIG"):
-        score: dict = {}
-        for r in (r for r in rows if r.get("key") == key):
-            for res in r["all"]:
-                k = json.dumps(res["config"])
-                score[k] = score.get(k, 0.0) + res["ms"] / r["best_ms"]
-        if score:
-            chosen[key] = json.loads(min(score, key=score.get))
-    if apply and chosen:
-        src = open(path).read()
+        cfg = _lowest_summed_slowdown(rows, key)
+        if cfg is not None:
+            chosen[key] = cfg
+    if apply:
         for key, cfg in chosen.items():
-            line = f"{key} = " + "{" + ", ".join(f'"{k}": {v}' for k, v in cfg.items()) + "}"
-            src, n = re.subn(rf"^{key} = \{{.*\}}$", line, src, flags=re.M)
-            if n != 1:
-                raise RuntimeError(f"could not find the {key} line in {path}")
-            print("applied:", line, flush=True)
-        open(path, "w").write(src)
+            _write_config_line(path, key, cfg)
     return chosen
 
 
@@ -246,17 +316,21 @@ def main():
     p.add_argument("--shapes", default="1.3b,124m")
     p.add_argument("--apply-layer-norm", action="store_true", help="write the chosen LayerNorm config to the source")
     p.add_argument("--apply-fp8", action="store_true", help="write the chosen FP8 cast configs to the source")
-    p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm", "fp8"],
+    p.add_argument("--apply-colsum", action="store_true",
+                   help="write the chosen column-sum (bias gradient) config to the source")
+    p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm", "fp8", "colsum"],
                    help="sweep only these kernels")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "kernel_sweep.json"))
     a = p.parse_args()
     rows = []
     for shape in a.shapes.split(","):
-        if a.only != "fp8":
+        if a.only in ("", "elementwise", "layer_norm"):
             rows += run(shape, a.only)
         if a.only in ("", "fp8"):
             rows += sweep_fp8(shape)
+        if a.only in ("", "colsum"):
+            rows += sweep_colsum(shape)
     import triton
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -282,6 +356,10 @@ def main():
         fp8_choice = choose_and_apply_fp8(rows, a.apply_fp8)
         lines += ["", f"FP8 choice (lowest summed slowdown over the swept tensors): {fp8_choice}"
                   + (" (applied)" if a.apply_fp8 else "")]
+    if a.only in ("", "colsum"):
+        colsum_choice = choose_and_apply_colsum(rows, a.apply_colsum)
+        lines += ["", f"Column-sum choice (lowest summed slowdown over the bias-gradient shapes): {colsum_choice}"
+                  + (" (applied)" if a.apply_colsum else "")]
     with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,9 +1,11 @@
 """Time one mixed-precision AdamW step on the GPU: torch's fused AdamW + the copy into the bf16 params, against
 the Triton AdamW that writes the bf16 params in its update (megatron/core/optimizer/fused_adamw.py).
 
-The parameters have the shapes of the two GPTs of bench/gpu_throughput.py (``param_shapes``): fp32 main params, fp32 grads, bf16 model params, two param groups (>= 2-D
-weights decayed, the rest not), clipping folded into the update (``grad_scale``) as the trainer does. GPU time per
-step from CUDA graphs (``triton.testing.do_bench_cudagraph``). Writes ``optimizer_step.{json,md}``.
+The parameters have the shapes of the two GPTs of bench/gpu_throughput.py (``param_shapes``): fp32 main params,
+fp32 grads, bf16 model params, two param groups (>= 2-D weights decayed, the rest not), clipping folded into the
+update (``grad_scale``) as the trainer does. GPU time per step from CUDA graphs
+(``triton.testing.do_bench_cudagraph``, so both optimizers are built capturable, as under --enable-cuda-graph).
+Writes ``optimizer_step.{json,md}``.
 
     python bench/optimizer_step.py [--results-dir bench/results]
 """
@@ -33,10 +35,30 @@ def param_shapes(layers: int, hidden: int, seq: int) -> list:
     return [(VOCAB, hidden), (seq, hidden)] + per_layer * layers + [(hidden,), (hidden,)]
 
 
+def _make_step(impl: str, groups: list, mains: list, models: list, hyper: dict):
+    """One optimizer step of ``impl`` with clipping folded in (grad_scale), as the trainer runs it."""
+    from megatron.core.optimizer.fused_adamw import FusedAdamW
+
+    scale = torch.tensor(1.5, device="cuda")
+    if impl.startswith("torch"):
+        opt = torch.optim.AdamW(groups, fused=True, capturable=True, **hyper)
+
+        def step():
+            opt.grad_scale = scale
+            opt.step()
+            torch._foreach_copy_(models, [m.detach() for m in mains])
+    else:
+        opt = FusedAdamW(groups, capturable=True, **hyper)
+        opt.set_model_params(zip(mains, models))
+
+        def step():
+            opt.grad_scale = scale
+            opt.step()
+    return step
+
+
 def main() -> None:
     from triton.testing import do_bench_cudagraph
-
-    from megatron.core.optimizer.fused_adamw import FusedAdamW
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -54,25 +76,11 @@ def main() -> None:
                 m.grad = torch.randn_like(m) * 1e-3
             groups = [{"params": [m for m in mains if m.dim() > 1], "weight_decay": 0.1},
                       {"params": [m for m in mains if m.dim() <= 1], "weight_decay": 0.0}]
-            scale = torch.tensor(1.5, device="cuda")
-            if impl.startswith("torch"):
-                opt = torch.optim.AdamW(groups, fused=True, **hyper)
-
-                def step():
-                    opt.grad_scale = scale
-                    opt.step()
-                    torch._foreach_copy_(models, [m.detach() for m in mains])
-            else:
-                opt = FusedAdamW(groups, **hyper)
-                opt.set_model_params(zip(mains, models))
-
-                def step():
-                    opt.grad_scale = scale
-                    opt.step()
+            step = _make_step(impl, groups, mains, models, hyper)
             step()  # state, launch tables, compilation
             torch.cuda.synchronize()
             results[impl] = float(do_bench_cudagraph(step, rep=100))
-            del opt, mains, models
+            del step, mains, models, groups
             torch.cuda.empty_cache()
         torch_ms, ours_ms = results.values()
         floor_ms = numel * (28 + 2) / BANDWIDTH * 1e3  # read p g m v, write p m v (fp32) + the bf16 copy

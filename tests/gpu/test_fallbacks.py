@@ -100,3 +100,23 @@ def test_bias_gelu_linear_matches_and_saves_less(with_bias):
     for a, r in zip(got, [t.grad for t in leaves]):
         assert torch.allclose(a, r, rtol=1e-10, atol=1e-12)
     assert torch.Size([7, 3, 64]) in saved and saved.count(torch.Size([7, 3, 64])) == 1  # x only, no gelu(x+b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_grad_cpu_is_pytorch_column_sum(dtype):
+    """Off CUDA ``ops.bias_grad`` is exactly PyTorch's column sum of dy viewed as [-1, n]; ``out_dtype`` sets the
+    result's dtype (a wider one is also the accumulation dtype)."""
+    torch.manual_seed(0)
+    dy = torch.randn(5, 3, 40).to(dtype)
+    ref = dy.reshape(-1, 40).sum(0)
+    got = ops.bias_grad(dy)
+    assert got.dtype == dtype and torch.equal(got, ref)
+    assert torch.equal(ops.bias_grad(dy, dtype), ref)
+    wide = ops.bias_grad(dy, torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.allclose(wide, dy.float().reshape(-1, 40).sum(0), rtol=1e-6, atol=1e-6)
+    if dtype == torch.float32:  # a narrower out_dtype: sum in the input dtype, then cast
+        narrow = ops.bias_grad(dy, torch.bfloat16)
+        assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, ref.to(torch.bfloat16))
+    empty = ops.bias_grad(torch.zeros(0, 2, 8, dtype=dtype), torch.float32)
+    assert empty.dtype == torch.float32 and torch.equal(empty, torch.zeros(8))

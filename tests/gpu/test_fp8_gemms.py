@@ -41,6 +41,25 @@ def test_triton_scales_equal_the_pytorch_scales(dtype, margin, numel):
     assert zero[0].item() == 1.0 and zero[1].item() == 1.0
 
 
+@pytest.mark.parametrize("shape,with_bias", [((4096, 8192), True), ((1000, 304), True), ((64, 3072), False)])
+def test_gelu_quantization_equals_quantizing_the_gelu_kernel_output(shape, with_bias):
+    """quantize(gelu=True) computes the GeLU inside its two passes; the result must be bit for bit that of
+    quantizing the bias+GeLU kernel's bf16 output, in both layouts and in the transposed-only mode."""
+    from megatron.core.fusions.ops import BiasGeLUFunction
+
+    torch.manual_seed(1)
+    x = (torch.randn(*shape, device="cuda") * 3).bfloat16()
+    b = torch.randn(shape[1], device="cuda").bfloat16() if with_bias else None
+    ref_q, ref_qt, ref_inv = fp8.quantize(BiasGeLUFunction.apply(x, b), fp8.E4M3, 0, transpose=True)
+    q, qt, inv = fp8.quantize(x, fp8.E4M3, 0, transpose=True, gelu=True, bias=b)
+    assert torch.equal(inv, ref_inv)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), ref_qt.view(torch.uint8))
+    none, qt_only, inv2 = fp8.quantize(x, fp8.E4M3, 0, transpose=True, rows=False, gelu=True, bias=b)
+    assert none is None and torch.equal(inv2, ref_inv)
+    assert torch.equal(qt_only.view(torch.uint8), ref_qt.view(torch.uint8))
+
+
 def test_non_finite_input_gives_nan():
     x = torch.ones(256, 256, device="cuda", dtype=torch.bfloat16)
     x[5, 7] = float("inf")

@@ -215,3 +215,21 @@ def test_linear_grad_accumulation_fusion(with_bias):
     assert rel_err(w.main_grad - start, ref_w.grad) < 1e-2
     if with_bias:
         assert rel_err(b.grad, ref_b.grad) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(16384, 768), (16384, 2304), (4099, 2048), (33, 100), (0, 64)])
+def test_column_sum_and_bias_grad(dtype, shape):
+    """The Triton column sum (bias gradients) against an fp32 sum, in the input dtype and in fp32."""
+    from megatron.core.fusions._triton_elementwise import column_sum
+
+    x = torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+    ref = x.float().sum(0)
+    for out in (column_sum(x, dtype), ops.bias_grad(x.view(1, *shape)), column_sum(x, torch.float32),
+                ops.bias_grad(x, torch.float32)):
+        assert out.shape == (shape[1],)
+        if shape[0] == 0:
+            assert torch.all(out == 0)
+            continue
+        assert rel_err(out, ref) < TOL[out.dtype]  # fp32 output: only the summation order differs
+    assert column_sum(x, dtype).dtype == dtype and ops.bias_grad(x).dtype == dtype

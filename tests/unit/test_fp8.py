@@ -107,7 +107,9 @@ def test_weight_gradient_goes_into_main_grad():
     assert torch.allclose(w_.main_grad, 2 * dw, rtol=1e-2, atol=1e-6)
 
 
-def test_gelu_recompute_path_equals_the_plain_fp8_composition():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_gelu_linear_paths_equal_the_plain_fp8_composition(recompute):
+    """bias_gelu_linear under FP8, recomputing the GeLU in backward or keeping q(g)^T, against GeLU + fp8_linear."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 16, 128, generator=g).bfloat16()
     bias = torch.randn(128, generator=g).bfloat16()
@@ -117,7 +119,7 @@ def test_gelu_recompute_path_equals_the_plain_fp8_composition():
     for fused_path in (True, False):
         xi, bi, wi = (t.clone().requires_grad_() for t in (x, bias, w))
         if fused_path:
-            out = bias_gelu_linear(xi, bi, wi, use_fused=False, fp8_format="hybrid")
+            out = bias_gelu_linear(xi, bi, wi, use_fused=False, fp8_format="hybrid", recompute=recompute)
         else:
             out = fp8.fp8_linear(bias_gelu_reference(xi, bi), wi, None, "hybrid")
         out.backward(dout)

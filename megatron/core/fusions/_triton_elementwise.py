@@ -8,6 +8,11 @@ three passes of the eager PyTorch composition, and saves less for backward:
   from the current CUDA generator (so the tensor-parallel RNG tracker and activation recomputation, which
   restore generator states, reproduce the same mask).
 
+It also holds ``column_sum``, the bias gradient of a linear layer (column sums of a ``[tokens, n]`` gradient),
+in two launches: a few programs per multiprocessor, each summing many row tiles of one column block in fp32
+registers into one row of a small partial array, then one short kernel that adds those few partial rows and
+casts (on an H200 PyTorch's ``x.sum(0)`` ran at 1.0-3.4 TB/s on these shapes, of ~4.3 TB/s).
+
 Import this module only when ``triton`` is importable; ``ops.py`` decides when to use it.
 """
 
@@ -33,6 +38,24 @@ TILE_CONFIG = {
     "dropout_bwd": (16, 256, 4, 64),
 }
 
+# column_sum: BLOCK_M x BLOCK_N tiles, programs_per_sm x multiprocessors programs in all, split over the column
+# blocks; each walks its share of the row tiles. bench/kernel_sweep.py --only colsum times the alternatives
+# (--apply-colsum rewrites this line). On an H200 the best over the 124M and 1.3B bias-gradient shapes was
+# 16 x 64 tiles, 8 warps, 4 programs per multiprocessor (3.2-3.9 TB/s for [16384, 768..6144] bf16, where
+# PyTorch's x.sum(0) ran at 1.0-3.4 TB/s); 1 program per multiprocessor was 3-5x slower.
+COLSUM_CONFIG = {"block_m": 16, "block_n": 64, "num_warps": 8, "programs_per_sm": 4}
+# The finishing kernel: columns per program and partial rows per load (the partial array has at most
+# programs_per_sm x multiprocessors rows, that many only when n fits in one column block).
+_COLSUM_FINISH_BLOCK_N = 32
+_COLSUM_FINISH_BLOCK_R = 64
+
+
+@triton.jit
+def gelu_f32(z):
+    """Exact (erf) GeLU of fp32 values; the one definition the bias+GeLU and FP8-quantization kernels share, so
+    quantizing gelu(x + b) inside the FP8 kernels gives the bits of quantizing this kernel's output."""
+    return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+
 
 @triton.jit
 def _bias_gelu_fwd_kernel(X, B, Y, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -49,8 +72,7 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, BLOC
         z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += b[None, :]
-        y = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, gelu_f32(z).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -99,6 +121,76 @@ def _launch(kernel_name: str, m: int, n: int, device: torch.device):
     per_program = triton.cdiv(row_tiles_total, row_groups)
     row_groups = triton.cdiv(row_tiles_total, per_program)
     return (col_blocks, row_groups), per_program, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+@triton.jit
+def _colsum_partial_kernel(X, PART, M, N, ROW_TILES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """PART[g, cols] = sum of X[rows, cols] over the row tiles g*ROW_TILES .. (g+1)*ROW_TILES - 1 of column
+    block program_id(0) (g = program_id(1)), for a contiguous X [M, N]; fp32 sums, stored in PART's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    first = tl.program_id(1) * ROW_TILES
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # element-wise over the tiles, reduced over rows at the end
+    for t in range(0, ROW_TILES):
+        rows = (first + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        acc += tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(PART + tl.program_id(1).to(tl.int64) * N + cols, tl.sum(acc, axis=0).to(PART.dtype.element_ty),
+             mask=cmask)
+
+
+@triton.jit
+def _colsum_finish_kernel(PART, OUT, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[cols] = sum over the R rows of the fp32 PART [R, N], cast to OUT's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & cmask[None, :]
+        acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
+
+
+def _colsum_launch(m: int, n: int, device: torch.device):
+    """(column blocks, row groups, row tiles per program) of ``_colsum_partial_kernel`` for an [m, n] tensor:
+    about programs_per_sm x multiprocessors programs, each with an equal run of row tiles."""
+    cfg = COLSUM_CONFIG
+    col_blocks = triton.cdiv(n, cfg["block_n"])
+    row_tiles = triton.cdiv(m, cfg["block_m"])
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    programs = max(1, int(cfg["programs_per_sm"] * sms))
+    row_groups = max(1, min(row_tiles, triton.cdiv(programs, col_blocks)))
+    per_program = triton.cdiv(row_tiles, row_groups)
+    return col_blocks, triton.cdiv(row_tiles, per_program), per_program
+
+
+def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Sums of the [m, n] tensor ``x2d`` over its rows (``x2d.sum(0)``), accumulated in fp32 and returned as an
+    [n] tensor of ``out_dtype``; m == 0 gives zeros. Deterministic (no atomics): the row groups' fp32 partial
+    sums go to a [row groups, n] array that a second kernel adds up, or, with one row group, straight to the
+    output."""
+    if x2d.dim() != 2:
+        raise ValueError(f"column_sum expects a 2-D tensor, got shape {tuple(x2d.shape)}")
+    m, n = x2d.shape
+    out = torch.empty(n, dtype=out_dtype, device=x2d.device)
+    if n == 0:
+        return out
+    if m == 0:
+        return out.zero_()
+    x2d = x2d.contiguous()
+    col_blocks, row_groups, per_program = _colsum_launch(m, n, x2d.device)
+    meta = dict(BLOCK_M=COLSUM_CONFIG["block_m"], BLOCK_N=COLSUM_CONFIG["block_n"],
+                num_warps=COLSUM_CONFIG["num_warps"])
+    if row_groups == 1:
+        _colsum_partial_kernel[(col_blocks, 1)](x2d, out, m, n, per_program, **meta)
+        return out
+    part = torch.empty((row_groups, n), dtype=torch.float32, device=x2d.device)
+    _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, m, n, per_program, **meta)
+    _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N),)](
+        part, out, row_groups, n, BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
+    return out
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -244,11 +336,11 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         dz = torch.empty(dout.shape, dtype=ctx.x_dtype, device=dout.device) if write_dx else dout
         dbias = None
         if not write_dx:
-            # no dropout and no cast: dx is dout itself and the bias gradient a plain column sum (PyTorch's
-            # reduction runs near bandwidth here; the Triton tile kernel reached 0.7 TB/s on an H200)
+            # no dropout and no cast: dx is dout itself and the bias gradient a plain column sum, by column_sum
+            # (PyTorch's dout.sum(0) ran at ~1.3 TB/s on an H200, the dropout kernel with WRITE_DX=False and its
+            # large partial array at 0.7 TB/s)
             if has_bias:
-                dbias = dout.reshape(-1, n).sum(0).to(ctx.bias_dtype) if m else torch.zeros(
-                    n, dtype=ctx.bias_dtype, device=dout.device)
+                dbias = column_sum(dout.reshape(m, n), ctx.bias_dtype)
         elif m and n:
             grid, tiles, meta = _launch("dropout_bwd", m, n, dout.device)
             part = torch.empty((grid[1], n), dtype=torch.float32, device=dout.device) if has_bias else dout

@@ -8,6 +8,11 @@
    its transpose from the same tile (the transposed copy is what the backward GEMMs read as a column-major
    operand).
 
+With ``gelu=True`` both passes read the first MLP GEMM's output ``x`` and quantize ``gelu(x + bias)``, rounded to
+``x``'s dtype first (so the result is the same as quantizing the output of the bias+GeLU kernel): the GeLU output
+is never written in 16 bits. ``rows=False`` writes only the transposed copy (what the weight-gradient GEMM
+reads).
+
 Import only when ``triton`` is importable.
 """
 
@@ -17,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.fusions._triton_elementwise import _sm_count
+from megatron.core.fusions._triton_elementwise import _sm_count, gelu_f32
 
 # Launch configurations; bench/kernel_sweep.py --only fp8 times the alternatives (--apply-fp8 rewrites these lines).
 AMAX_CONFIG = {"block": 4096, "programs_per_sm": 4, "num_warps": 8}
@@ -25,12 +30,20 @@ CAST_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 8}
 
 
 @triton.jit
-def _amax_kernel(X, PART, NUMEL, ITERS, BLOCK: tl.constexpr):
-    """PART[pid] = max |X| over blocks pid*ITERS .. pid*ITERS + ITERS - 1 of the flattened X (NaN -> inf)."""
+def _amax_kernel(X, B, PART, NUMEL, N, ITERS, GELU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """PART[pid] = max |X| (or |gelu(X + B)|, X viewed as [NUMEL / N, N]) over blocks pid*ITERS .. pid*ITERS +
+    ITERS - 1 of the flattened X (NaN -> inf)."""
     acc = tl.zeros((BLOCK,), tl.float32)
     for i in range(0, ITERS):
         offs = (tl.program_id(0) * ITERS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        a = tl.abs(tl.load(X + offs, mask=offs < NUMEL, other=0.0).to(tl.float32))
+        mask = offs < NUMEL
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        v = x.to(tl.float32)
+        if GELU:
+            if HAS_BIAS:
+                v += tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
+            v = gelu_f32(v).to(x.dtype).to(tl.float32)
+        a = tl.abs(v)
         acc = tl.maximum(acc, tl.where(a == a, a, float("inf")))
     tl.store(PART + tl.program_id(0), tl.max(acc, axis=0))
 
@@ -50,25 +63,33 @@ def _scale_kernel(PART, NPART, SCALE, SCALE_INV, FMAX_OVER_MARGIN: tl.constexpr,
 
 
 @triton.jit
-def _scaled_cast_kernel(X, Q, QT, SCALE, M, N, FMAX: tl.constexpr, TRANSPOSE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Q = saturate(X * SCALE) for X [M, N] row-major; QT [N, M] = Q^T when TRANSPOSE."""
+def _scaled_cast_kernel(X, B, Q, QT, SCALE, M, N, FMAX: tl.constexpr, ROWS: tl.constexpr, TRANSPOSE: tl.constexpr,
+                        GELU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Q = saturate(V * SCALE) for V = X or gelu(X + B) (X [M, N] row-major); QT [N, M] = Q^T when TRANSPOSE;
+    Q itself is written only when ROWS."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x = tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.load(SCALE)
+    x = tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    v = x.to(tl.float32)
+    if GELU:
+        if HAS_BIAS:
+            v += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        v = gelu_f32(v).to(x.dtype).to(tl.float32)
+    y = v * tl.load(SCALE)
     # saturate; a NaN (from a non-finite amax, see fp8.py) stays NaN so the overflow check sees it
     y = tl.minimum(tl.maximum(y, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX, propagate_nan=tl.PropagateNan.ALL)
     q = y.to(Q.dtype.element_ty)
-    tl.store(Q + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
+    if ROWS:
+        tl.store(Q + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         qt = tl.trans(q)  # [BLOCK_N, BLOCK_M]
         tl.store(QT + cols.to(tl.int64)[:, None] * M + rows[None, :], qt, mask=tl.trans(mask))
 
 
-def scales(x: torch.Tensor, dtype: torch.dtype, margin: int):
-    """(scale, 1/scale), one-element fp32 tensors, for a contiguous ``x`` (see ``fp8.scales``)."""
+def scales(x: torch.Tensor, dtype: torch.dtype, margin: int, gelu: bool = False, bias=None):
+    """(scale, 1/scale), one-element fp32 tensors, for a contiguous ``x`` (or ``gelu(x + bias)``, ``x`` 2D; see
+    ``fp8.scales``)."""
     numel, cfg = x.numel(), AMAX_CONFIG
     blocks = triton.cdiv(numel, cfg["block"])
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -76,7 +97,8 @@ def scales(x: torch.Tensor, dtype: torch.dtype, margin: int):
     iters = triton.cdiv(blocks, nprog)
     nprog = triton.cdiv(blocks, iters) if blocks else 1
     part = torch.empty(nprog, device=x.device, dtype=torch.float32)
-    _amax_kernel[(nprog,)](x, part, numel, iters, BLOCK=cfg["block"], num_warps=cfg["num_warps"])
+    _amax_kernel[(nprog,)](x, bias if bias is not None else x, part, numel, x.shape[-1] if x.dim() else 1, iters,
+                           GELU=gelu, HAS_BIAS=bias is not None, BLOCK=cfg["block"], num_warps=cfg["num_warps"])
     # two allocations, not views of one: cuBLASLt wants its scale pointers aligned (a view at offset 1 is not)
     scale = torch.empty(1, device=x.device, dtype=torch.float32)
     scale_inv = torch.empty(1, device=x.device, dtype=torch.float32)
@@ -85,13 +107,19 @@ def scales(x: torch.Tensor, dtype: torch.dtype, margin: int):
     return scale, scale_inv
 
 
-def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool):
-    """(q [M, N], q^T [N, M] or None) in ``dtype`` from a contiguous 2D ``x`` and a one-element fp32 ``scale``."""
+def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool, rows: bool = True,
+                gelu: bool = False, bias=None):
+    """(q [M, N] or None, q^T [N, M] or None) in ``dtype`` from a contiguous 2D ``x`` (or ``gelu(x + bias)``) and a
+    one-element fp32 ``scale``; q is written when ``rows``, q^T when ``transpose``."""
     m, n = x.shape
-    q = torch.empty((m, n), device=x.device, dtype=dtype)
-    qt = torch.empty((n, m), device=x.device, dtype=dtype) if transpose else q
+    q = torch.empty((m, n), device=x.device, dtype=dtype) if rows else None
+    qt = torch.empty((n, m), device=x.device, dtype=dtype) if transpose else None
+    if q is None and qt is None:
+        raise ValueError("scaled_cast: nothing to write (rows and transpose both off)")
     cfg = CAST_CONFIG
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]))
-    _scaled_cast_kernel[grid](x, q, qt, scale, m, n, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose,
-                              BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"])
-    return q, (qt if transpose else None)
+    _scaled_cast_kernel[grid](x, bias if bias is not None else x, q if rows else qt, qt if transpose else q, scale,
+                              m, n, FMAX=torch.finfo(dtype).max, ROWS=rows, TRANSPOSE=transpose, GELU=gelu,
+                              HAS_BIAS=bias is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                              num_warps=cfg["num_warps"])
+    return q, qt

@@ -34,6 +34,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core.fusions.ops import bias_gelu_reference, bias_grad
+
 try:
     from megatron.core.fusions._triton_fp8 import scaled_cast as _triton_scaled_cast
     from megatron.core.fusions._triton_fp8 import scales as _triton_scales
@@ -74,17 +76,25 @@ def _scales_torch(x: torch.Tensor, dtype: torch.dtype, margin: int) -> Tuple[tor
     return scale, torch.div(torch.ones_like(scale), scale)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool = False):
-    """(q, q^T or None, 1/scale) for a 2D ``x``: ``q = saturate(x * scale)`` in ``dtype``."""
+def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool = False, rows: bool = True,
+             gelu: bool = False, bias: Optional[torch.Tensor] = None):
+    """(q or None, q^T or None, 1/scale) for a 2D ``x``: ``q = saturate(v * scale)`` in ``dtype``, ``v = x``.
+
+    ``rows`` / ``transpose`` choose which of q and q^T are made. With ``gelu`` it quantizes
+    ``v = gelu(x + bias)`` (exact GeLU, rounded to ``x``'s dtype): on CUDA the Triton kernels compute the GeLU
+    in both passes and never write it in 16 bits.
+    """
     x = x.contiguous()  # the Triton kernels index a dense row-major tensor (a no-op for every caller here)
-    scale, scale_inv = scales(x, dtype, margin)
     if HAVE_TRITON and x.is_cuda:
-        q, qt = _triton_scaled_cast(x, scale, dtype, transpose)
-    else:
-        fmax = torch.finfo(dtype).max
-        q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
-        qt = q.t().contiguous() if transpose else None
-    return q, qt, scale_inv
+        scale, scale_inv = _triton_scales(x, dtype, margin, gelu=gelu, bias=bias)
+        q, qt = _triton_scaled_cast(x, scale, dtype, transpose, rows=rows, gelu=gelu, bias=bias)
+        return q, qt, scale_inv
+    if gelu:
+        x = bias_gelu_reference(x, bias)
+    scale, scale_inv = scales(x, dtype, margin)
+    fmax = torch.finfo(dtype).max
+    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return (q if rows else None), (q.t().contiguous() if transpose else None), scale_inv
 
 
 def _check_dims(m: int, k: int, n: int) -> None:
@@ -100,11 +110,13 @@ def _mm(a, b, scale_a, scale_b, out_dtype, bias=None, fast_accum=False, out=None
                             use_fast_accum=fast_accum, **kw)
 
 
-def fprop(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], margin: int, keep_x: bool):
-    """``x2 [M, K] @ weight^T + bias`` in FP8. Returns (y [M, N], saved) where ``saved`` is what ``bprop``
-    needs: (q(x)^T or None when not ``keep_x``, 1/s_x, q(W)^T, 1/s_W)."""
+def fprop(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], margin: int, keep_x: bool,
+          gelu: bool = False, gelu_bias: Optional[torch.Tensor] = None):
+    """``x2 [M, K] @ weight^T + bias`` in FP8 (``gelu(x2 + gelu_bias) @ weight^T + bias`` with ``gelu``, see
+    ``quantize``). Returns (y [M, N], saved) where ``saved`` is what ``bprop`` needs: (q(x)^T or None when not
+    ``keep_x``, 1/s_x, q(W)^T, 1/s_W)."""
     _check_dims(x2.shape[0], x2.shape[1], weight.shape[0])
-    xq, xqt, x_inv = quantize(x2, E4M3, margin, transpose=keep_x)
+    xq, xqt, x_inv = quantize(x2, E4M3, margin, transpose=keep_x, gelu=gelu, bias=gelu_bias)
     wq, wqt, w_inv = quantize(weight, E4M3, margin, transpose=True)
     y = _mm(xq, wq.t(), x_inv, w_inv, x2.dtype, bias=bias, fast_accum=True)
     return y, (xqt, x_inv, wqt, w_inv)
@@ -154,7 +166,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = bprop(dy2, saved, ctx.fp8_format, ctx.margin, need_dx, need_dw,
                        accumulate_into=ctx.weight if ctx.accumulate else None)
-        dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dbias = bias_grad(dy2) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dx = dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None
         return dx, (dw.to(ctx.weight.dtype) if dw is not None else None), dbias, None, None, None
 

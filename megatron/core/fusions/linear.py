@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.ops import bias_grad
+
 
 def _accumulate_wgrad(main_grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
     """main_grad += dy2^T @ x2 with fp32 accumulation and output; one GEMM when the build supports out_dtype."""
@@ -46,7 +48,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         _accumulate_wgrad(ctx.weight.main_grad, dy2, x.reshape(-1, x.shape[-1]))
         ctx.weight.grad_added_to_main_grad = True
         ctx.weight.main_grad_is_zero = False
-        dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dbias = bias_grad(dy2) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, None, dbias
 
 

@@ -42,19 +42,22 @@ def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tens
 class BiasGeLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor, fused: bool,
-                accumulate_into_main_grad: bool, fp8_format: Optional[str], fp8_margin: int):
-        g = _gelu_forward(x, bias, fused)  # [s, b, ffn] temporary, freed after the GEMM
+                accumulate_into_main_grad: bool, fp8_format: Optional[str], fp8_margin: int, recompute: bool):
         ctx.fused, ctx.fp8_format, ctx.fp8_margin = fused, fp8_format, fp8_margin
         ctx.weight, ctx.accumulate_into_main_grad = weight, accumulate_into_main_grad
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.recompute = bias is not None, recompute
         saved = (x, bias, weight) if bias is not None else (x, weight)
         if fp8_format is None:
+            g = _gelu_forward(x, bias, fused)  # [s, b, ffn] temporary, freed after the GEMM
             out = F.linear(g, weight)  # [s, b, h] (partial under TP)
-        else:  # FP8 GEMM; the backward re-quantizes the recomputed GeLU output, so only q(W)^T is kept
-            out2, (_, _, wqt, w_inv) = fp8.fprop(g.reshape(-1, g.shape[-1]), weight, None, fp8_margin,
-                                                 keep_x=False)
-            out = out2.view(*g.shape[:-1], weight.shape[0])
-            saved = saved + (wqt, w_inv)
+        else:  # FP8 GEMM on q(gelu(x + bias)): fused, the GeLU output is computed inside the quantization
+            src = x if fused else _gelu_forward(x, bias, False)
+            out2, (gqt, g_inv, wqt, w_inv) = fp8.fprop(src.reshape(-1, x.shape[-1]), weight, None, fp8_margin,
+                                                       keep_x=not recompute and ctx.needs_input_grad[2], gelu=fused,
+                                                       gelu_bias=bias if fused else None)
+            out = out2.view(*x.shape[:-1], weight.shape[0])
+            # recomputing: the backward re-quantizes the GeLU output, so only q(W)^T is kept; else q(g)^T too
+            saved = saved + ((wqt, w_inv) if recompute else (wqt, w_inv, gqt, g_inv))
         ctx.save_for_backward(*saved)
         return out
 
@@ -64,19 +67,27 @@ class BiasGeLULinearFunction(torch.autograd.Function):
         x = saved.pop(0)
         bias = saved.pop(0) if ctx.has_bias else None
         weight = saved.pop(0)
-        g = _gelu_forward(x, bias, ctx.fused)  # recomputed [s, b, ffn]
-        g2 = g.reshape(-1, g.shape[-1])
         d2 = dout.reshape(-1, dout.shape[-1])  # [s*b, h]
         if ctx.fp8_format is not None:
-            wqt, w_inv = saved
-            _, gq_t, g_inv = fp8.quantize(g2, fp8.E4M3, ctx.fp8_margin, transpose=True)
+            need_dw = ctx.needs_input_grad[2]
+            if ctx.recompute:  # only q(g)^T is needed (the weight-gradient GEMM's operand)
+                (wqt, w_inv), gq_t, g_inv = saved, None, None
+            else:
+                wqt, w_inv, gq_t, g_inv = saved
+            if ctx.recompute and need_dw:
+                src = x if ctx.fused else _gelu_forward(x, bias, False)
+                _, gq_t, g_inv = fp8.quantize(src.reshape(-1, x.shape[-1]), fp8.E4M3, ctx.fp8_margin,
+                                              transpose=True, rows=False, gelu=ctx.fused,
+                                              bias=bias if ctx.fused else None)
             dg2, dw = fp8.bprop(d2.contiguous(), (gq_t, g_inv, wqt, w_inv), ctx.fp8_format, ctx.fp8_margin,
-                                need_dx=True, need_dw=True,
+                                need_dx=True, need_dw=need_dw,
                                 accumulate_into=ctx.weight if ctx.accumulate_into_main_grad else None)
-            del g, g2
+            del gq_t
             dweight = dw.to(weight.dtype) if dw is not None else None
             dg = dg2.view(*x.shape)
         else:
+            g = _gelu_forward(x, bias, ctx.fused)  # recomputed [s, b, ffn]
+            g2 = g.reshape(-1, g.shape[-1])
             main_grad = getattr(ctx.weight, "main_grad", None)
             if ctx.accumulate_into_main_grad and main_grad is not None:
                 # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
@@ -89,18 +100,21 @@ class BiasGeLULinearFunction(torch.autograd.Function):
             del g, g2
             dg = dout.matmul(weight)  # [s, b, ffn]
         dx, dbias = _gelu_backward(x, bias, dg, ctx.fused)
-        return dx, dbias, dweight, None, None, None, None
+        return dx, dbias, dweight, None, None, None, None, None
 
 
 def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                      use_fused: bool = True, gradient_accumulation_fusion: bool = False,
-                     fp8_format: Optional[str] = None, fp8_margin: int = 0) -> torch.Tensor:
+                     fp8_format: Optional[str] = None, fp8_margin: int = 0, recompute: bool = True) -> torch.Tensor:
     """F.linear(gelu(x + bias), weight) keeping only ``x`` for backward (the GeLU output is recomputed).
 
     With ``gradient_accumulation_fusion`` and an fp32 ``weight.main_grad`` on CUDA, the weight gradient is added
     into ``main_grad`` by the GEMM (see ``megatron.core.fusions.linear``) and ``weight.grad`` stays empty.
     With ``fp8_format`` the GEMMs run in FP8 (``megatron.core.fusions.fp8``); the weight gradient then goes
-    into ``main_grad`` whenever the weight has an fp32 one and ``gradient_accumulation_fusion`` is set.
+    into ``main_grad`` whenever the weight has an fp32 one and ``gradient_accumulation_fusion`` is set. The
+    fused FP8 path computes the GeLU inside the quantization of the second GEMM's input, so its 16-bit output is
+    never stored; ``recompute=False`` (FP8 only) keeps that input's FP8 transpose for backward instead of
+    recomputing it (1 byte per element instead of the 2 a bf16 GeLU output would take).
     """
     fused = ops._fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:])
     if fp8_format is not None:
@@ -108,9 +122,11 @@ def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torc
         if torch.compiler.is_compiling():
             raise RuntimeError("--fp8-format cannot run under torch.compile (use the eager transformer layer)")
         return BiasGeLULinearFunction.apply(x, bias, weight, fused, gradient_accumulation_fusion, fp8_format,
-                                            fp8_margin)
+                                            fp8_margin, recompute)
+    if not recompute:
+        raise ValueError("bias_gelu_linear without recomputation is only for FP8 (use bias_gelu + a linear)")
     if torch.compiler.is_compiling():
         return F.linear(ops.bias_gelu_reference(x, bias), weight)
     accumulate = (gradient_accumulation_fusion and x.is_cuda
                   and getattr(getattr(weight, "main_grad", None), "dtype", None) == torch.float32)
-    return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate, None, 0)
+    return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate, None, 0, True)

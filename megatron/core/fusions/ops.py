@@ -2,7 +2,9 @@
 
 Each public op (``bias_gelu``, ``bias_dropout_add``, ``layer_norm``) runs a fused Triton kernel when
 ``use_fused=True``, the tensor is on CUDA and Triton is importable, and otherwise the ``*_reference`` function,
-which is the definition the fused kernels are tested against (tests/gpu/test_fused_kernels.py). While
+which is the definition the fused kernels are tested against (tests/gpu/test_fused_kernels.py). ``bias_grad``
+(the bias gradient of a linear layer, used by its autograd functions) has no switch: on CUDA with Triton it is
+always the Triton column sum. While
 ``torch.compile`` traces a model (``--use-torch-compile``) the references are used too: Inductor fuses them
 into its own kernels, and an opaque Triton call would only break the graph.
 """
@@ -15,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
-    from megatron.core.fusions._triton_elementwise import BiasDropoutAddFunction, BiasGeLUFunction, bias_gelu_backward
+    from megatron.core.fusions._triton_elementwise import (BiasDropoutAddFunction, BiasGeLUFunction,
+                                                           bias_gelu_backward, column_sum)
     from megatron.core.fusions._triton_layer_norm import LayerNormFunction, triton_layer_norm_supported
 
     HAVE_TRITON = True
@@ -45,6 +48,15 @@ def layer_norm_reference(
     """LayerNorm over the last dimension; with zero-centred gamma the stored weight is gamma - 1."""
     w = weight + 1 if zero_centered_gamma else weight
     return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
+
+
+def bias_grad_reference(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Column sums of ``dy`` viewed as ``[-1, dy.shape[-1]]`` in ``out_dtype`` (default ``dy.dtype``): exactly
+    ``dy.reshape(-1, n).sum(0)`` for the default; a wider ``out_dtype`` is also the accumulation dtype."""
+    out_dtype = dy.dtype if out_dtype is None else out_dtype
+    n = dy.shape[-1]
+    dy2 = dy.reshape(dy.numel() // n if n else 0, n)
+    return dy2.sum(0, dtype=torch.promote_types(dy.dtype, out_dtype)).to(out_dtype)
 
 
 def scaled_masked_softmax_reference(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -127,3 +139,16 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if _fusable(x, use_fused) and triton_layer_norm_supported(x):
         return LayerNormFunction.apply(x, weight, bias, eps, zero_centered_gamma)
     return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma)
+
+
+def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The bias gradient of ``y = x W^T + b`` for the output gradient ``dy [..., n]``: the column sums of ``dy``
+    viewed as ``[-1, n]``, accumulated in fp32 and returned in ``out_dtype`` (default ``dy.dtype``).
+
+    On CUDA with Triton (and not while ``torch.compile`` traces) a two-kernel Triton column sum that runs near
+    memory bandwidth (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``.
+    """
+    if HAVE_TRITON and dy.is_cuda and not torch.compiler.is_compiling():
+        n = dy.shape[-1]
+        return column_sum(dy.reshape(dy.numel() // n if n else 0, n), dy.dtype if out_dtype is None else out_dtype)
+    return bias_grad_reference(dy, out_dtype)

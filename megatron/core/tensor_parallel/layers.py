@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions.fp8 import fp8_linear
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
+from megatron.core.fusions.ops import bias_grad
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
     _all_gather_dim0,
@@ -113,7 +114,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
             total = pending_total.wait()
             grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out/tp, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(dim=0)
+            grad_b = bias_grad(g2)
         if need_x:
             grad_x = pending_grad_x.wait()  # [s/tp, b, in]
         return grad_x, grad_w, grad_b, None

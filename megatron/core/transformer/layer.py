@@ -57,11 +57,14 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor):
         inter, inter_bias = self.linear_fc1(hidden)  # [s, b, ffn/tp]
-        if self.recompute_gelu and self.training:
+        recompute = self.recompute_gelu and self.training
+        if recompute or self.fp8 is not None:
+            # under FP8 always: the GeLU is computed inside the quantization of FC2's input
             fc2 = self.linear_fc2
             partial = bias_gelu_linear(inter, inter_bias, fc2.weight, use_fused=self.use_fused,
                                        gradient_accumulation_fusion=self.grad_accum_fusion,
-                                       fp8_format=self.fp8, fp8_margin=self.fp8_margin)  # [s, b, h] partial
+                                       fp8_format=self.fp8, fp8_margin=self.fp8_margin,
+                                       recompute=recompute)  # [s, b, h] partial
             if fc2.sequence_parallel:
                 out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial, fc2.tp_group)  # [s/tp, b, h]
             else:
