@@ -46,47 +46,81 @@ def fused_adamw_available(device: torch.device) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _adamw_kernel(PTRS, BLK_TENSOR, BLK_START, NUMEL, LR, BIAS_CORR, GRAD_SCALE, FOUND_INF, weight_decay,
-                      beta1, beta2, eps, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                      OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        """One block of one tensor: PTRS[t] = (param, grad, exp_avg, exp_avg_sq, model copy) addresses;
-        BIAS_CORR = (1 - beta1^step, 1 - beta2^step)."""
-        blk = tl.program_id(0)
-        t = tl.load(BLK_TENSOR + blk)
-        start = tl.load(BLK_START + blk)
-        n = tl.load(NUMEL + t)
-        p_ptr = tl.load(PTRS + t * 5 + 0).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(PTRS + t * 5 + 1).to(tl.pointer_type(tl.float32))
-        m_ptr = tl.load(PTRS + t * 5 + 2).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(PTRS + t * 5 + 3).to(tl.pointer_type(tl.float32))
-        if HAS_FOUND_INF:  # a skipped step touches nothing
-            n = tl.where(tl.load(FOUND_INF) == 0.0, n, 0)
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        lr = tl.load(LR)
-        bc1 = tl.load(BIAS_CORR)
-        bc2_sqrt = tl.sqrt(tl.load(BIAS_CORR + 1))
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    def _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, n, lr, bc1, bc2_sqrt, grad_scale, weight_decay, beta1,
+                    beta2, eps, MASKED: tl.constexpr, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr):
+        if MASKED:
+            mask = offs < n
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+            v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        else:
+            mask = None
+            p = tl.load(p_ptr + offs)
+            g = tl.load(g_ptr + offs)
+            m = tl.load(m_ptr + offs)
+            v = tl.load(v_ptr + offs)
         if HAS_SCALE:
-            g = g / tl.load(GRAD_SCALE)
+            g = g / grad_scale
         p = p - lr * weight_decay * p
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
-        denom = tl.sqrt(v) / bc2_sqrt + eps
+        denom = tl.sqrt_rn(v) / bc2_sqrt + eps
         p = p - (lr / bc1) * m / denom
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if HAS_OUT:
-            if OUT_BF16:
-                o_ptr = tl.load(PTRS + t * 5 + 4).to(tl.pointer_type(tl.bfloat16))
-                tl.store(o_ptr + offs, p.to(tl.bfloat16), mask=mask)
+            tl.store(o_ptr + offs, p.to(o_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _adamw_kernel(PTRS, BLK_TENSOR, BLK_START, NUMEL, LR, BIAS_CORR, GRAD_SCALE, FOUND_INF, weight_decay,
+                      beta1, beta2, eps, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                      OUT_BF16: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+        """One block of one tensor: PTRS[t] = (param, grad, exp_avg, exp_avg_sq, model copy) addresses;
+        BIAS_CORR = (1 - beta1^step, 1 - beta2^step). ALIGNED: every address is a multiple of 16 bytes, so whole
+        blocks use unmasked 16-byte accesses (only a tensor's last block is masked)."""
+        blk = tl.program_id(0)
+        t = tl.load(BLK_TENSOR + blk).to(tl.int64)
+        start = tl.load(BLK_START + blk)
+        n = tl.load(NUMEL + t)
+        a_p = tl.load(PTRS + t * 5 + 0)
+        a_g = tl.load(PTRS + t * 5 + 1)
+        a_m = tl.load(PTRS + t * 5 + 2)
+        a_v = tl.load(PTRS + t * 5 + 3)
+        a_o = tl.load(PTRS + t * 5 + 4)
+        if ALIGNED:
+            start = tl.multiple_of(start, BLOCK)
+            a_p = tl.multiple_of(a_p, 16)
+            a_g = tl.multiple_of(a_g, 16)
+            a_m = tl.multiple_of(a_m, 16)
+            a_v = tl.multiple_of(a_v, 16)
+            a_o = tl.multiple_of(a_o, 16)
+        p_ptr = a_p.to(tl.pointer_type(tl.float32))
+        g_ptr = a_g.to(tl.pointer_type(tl.float32))
+        m_ptr = a_m.to(tl.pointer_type(tl.float32))
+        v_ptr = a_v.to(tl.pointer_type(tl.float32))
+        if OUT_BF16:
+            o_ptr = a_o.to(tl.pointer_type(tl.bfloat16))
+        else:
+            o_ptr = a_o.to(tl.pointer_type(tl.float16))
+        if HAS_FOUND_INF:  # a skipped step touches nothing
+            n = tl.where(tl.load(FOUND_INF) == 0.0, n, 0)
+        lr = tl.load(LR)
+        bc1 = tl.load(BIAS_CORR)
+        bc2_sqrt = tl.sqrt_rn(tl.load(BIAS_CORR + 1))
+        grad_scale = tl.load(GRAD_SCALE) if HAS_SCALE else 1.0
+        offs = start + tl.arange(0, BLOCK)
+        if ALIGNED:
+            if start + BLOCK <= n:
+                _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, n, lr, bc1, bc2_sqrt, grad_scale,
+                            weight_decay, beta1, beta2, eps, MASKED=False, HAS_OUT=HAS_OUT, HAS_SCALE=HAS_SCALE)
             else:
-                o_ptr = tl.load(PTRS + t * 5 + 4).to(tl.pointer_type(tl.float16))
-                tl.store(o_ptr + offs, p.to(tl.float16), mask=mask)
+                _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, n, lr, bc1, bc2_sqrt, grad_scale,
+                            weight_decay, beta1, beta2, eps, MASKED=True, HAS_OUT=HAS_OUT, HAS_SCALE=HAS_SCALE)
+        else:
+            _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, n, lr, bc1, bc2_sqrt, grad_scale, weight_decay,
+                        beta1, beta2, eps, MASKED=True, HAS_OUT=HAS_OUT, HAS_SCALE=HAS_SCALE)
 
 
 class _GroupPlan:
@@ -107,6 +141,7 @@ class _GroupPlan:
         self.blk_tensor = torch.tensor(blk_tensor, dtype=torch.int32, device=device)
         self.blk_start = torch.tensor(blk_start, dtype=torch.int64, device=device)
         self.num_blocks = len(blk_tensor)
+        self.aligned = all(p % 16 == 0 for p in ptrs)
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -226,6 +261,6 @@ class FusedAdamW(torch.optim.AdamW):
                 grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
                 float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
                 HAS_OUT=has_out, HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-                OUT_BF16=has_out and tensors[0][4].dtype == torch.bfloat16,
+                OUT_BF16=has_out and tensors[0][4].dtype == torch.bfloat16, ALIGNED=plan.aligned,
                 BLOCK=ADAMW_CONFIG["block"], num_warps=ADAMW_CONFIG["num_warps"])
         return loss
