@@ -123,11 +123,11 @@ if HAVE_TRITON:
                         beta1, beta2, eps, MASKED=True, HAS_OUT=HAS_OUT, HAS_SCALE=HAS_SCALE)
 
 
-class _GroupPlan:
-    """The device tables of one param group's launch: addresses per tensor and (tensor, start) per block."""
+class _Launch:
+    """The device tables of one kernel launch: addresses per tensor and (tensor, start) per block."""
 
-    def __init__(self, key: tuple, tensors: List[Sequence[torch.Tensor]], block: int, device: torch.device):
-        self.key = key
+    def __init__(self, tensors: List[Sequence[Optional[torch.Tensor]]], aligned: bool, block: int,
+                 device: torch.device):
         ptrs, numel, blk_tensor, blk_start = [], [], [], []
         for i, ts in enumerate(tensors):
             ptrs.extend(t.data_ptr() if t is not None else 0 for t in ts)
@@ -136,12 +136,24 @@ class _GroupPlan:
             nblocks = -(-n // block)
             blk_tensor.extend([i] * nblocks)
             blk_start.extend(range(0, nblocks * block, block))
+        self.aligned = aligned
         self.ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
         self.numel = torch.tensor(numel, dtype=torch.int64, device=device)
         self.blk_tensor = torch.tensor(blk_tensor, dtype=torch.int32, device=device)
         self.blk_start = torch.tensor(blk_start, dtype=torch.int64, device=device)
         self.num_blocks = len(blk_tensor)
-        self.aligned = all(p % 16 == 0 for p in ptrs)
+
+
+class _GroupPlan:
+    """One param group's launches: the tensors whose five addresses are all 16-byte aligned get the kernel with
+    unmasked vector accesses, the others (a view at an odd offset, say) the masked one."""
+
+    def __init__(self, key: tuple, tensors: List[Sequence[Optional[torch.Tensor]]], block: int,
+                 device: torch.device):
+        self.key = key
+        aligned = [all(t is None or t.data_ptr() % 16 == 0 for t in ts) for ts in tensors]
+        self.launches = [_Launch([ts for ts, a in zip(tensors, aligned) if a == want], want, block, device)
+                         for want in (True, False) if want in aligned]
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -256,11 +268,12 @@ class FusedAdamW(torch.optim.AdamW):
                                                                    device=device)
             # 1 - beta^step computed in float64 on the device: no host synchronisation, graph-capturable
             bias_corr = (1.0 - betas.pow(step)).to(torch.float32)
-            _adamw_kernel[(plan.num_blocks,)](
-                plan.ptrs, plan.blk_tensor, plan.blk_start, plan.numel, lr, bias_corr,
-                grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
-                float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
-                HAS_OUT=has_out, HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-                OUT_BF16=has_out and tensors[0][4].dtype == torch.bfloat16, ALIGNED=plan.aligned,
-                BLOCK=ADAMW_CONFIG["block"], num_warps=ADAMW_CONFIG["num_warps"])
+            for launch in plan.launches:
+                _adamw_kernel[(launch.num_blocks,)](
+                    launch.ptrs, launch.blk_tensor, launch.blk_start, launch.numel, lr, bias_corr,
+                    grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
+                    float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
+                    HAS_OUT=has_out, HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+                    OUT_BF16=has_out and tensors[0][4].dtype == torch.bfloat16, ALIGNED=launch.aligned,
+                    BLOCK=ADAMW_CONFIG["block"], num_warps=ADAMW_CONFIG["num_warps"])
         return loss
