@@ -20,7 +20,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 case "$what" in
   tests)
     python -m pytest -q tests/gpu/test_fused_kernels.py tests/gpu/test_attention_backends.py tests/gpu/test_fp8_gemms.py \
-        tests/gpu/test_fused_adamw.py \
+        tests/unit/optimizer/test_fused_adamw.py \
         tests/gpu/test_fused_training.py tests/gpu/test_cuda_graph.py 2>&1 | tee "$R/gpu_tests.log" | tail -3 ;;
   table)
     python bench/gpu_throughput.py --iters 10 --warmup 5 --results-dir "$R" --log-dir "$R/logs" \

@@ -17,8 +17,9 @@ It is ``torch.optim.AdamW`` in every other respect:
 - ``lr`` may be a device tensor (CUDA-graph capture), and the step count lives on the device.
 
 Each main parameter may name its 16-bit model copy with :meth:`set_model_params`; the optimizer then writes it,
-and ``writes_model_params`` tells the mixed-precision wrapper to skip its own copy. CUDA and Triton only:
-``fused_adamw_available()`` says whether this machine can use it (the factory falls back to torch's AdamW).
+and ``writes_model_params`` tells the mixed-precision wrapper to skip its own copy. The Triton kernel needs CUDA;
+elsewhere (CPU tests) the same update runs as PyTorch ops, tensor by tensor (``_adamw_reference``).
+``fused_adamw_available()`` says whether the kernel can run (the factory uses this class only then).
 """
 
 from __future__ import annotations
@@ -123,6 +124,21 @@ if HAVE_TRITON:
                         beta1, beta2, eps, MASKED=True, HAS_OUT=HAS_OUT, HAS_SCALE=HAS_SCALE)
 
 
+def _adamw_reference(tensors, lr: torch.Tensor, bias_corr: torch.Tensor, grad_scale: Optional[torch.Tensor],
+                     weight_decay: float, beta1: float, beta2: float, eps: float) -> None:
+    """The kernel's update in PyTorch ops (no ``found_inf``: the caller skips the step), in place."""
+    bc1, bc2_sqrt = bias_corr[0], bias_corr[1].sqrt()
+    for p, g, m, v, out in tensors:
+        if grad_scale is not None:
+            g = g / grad_scale
+        p.sub_(lr * weight_decay * p)
+        m.mul_(beta1).add_((1.0 - beta1) * g)
+        v.mul_(beta2).add_((1.0 - beta2) * g * g)
+        p.sub_((lr / bc1) * m / (v.sqrt() / bc2_sqrt + eps))
+        if out is not None:
+            out.copy_(p)
+
+
 class _Launch:
     """The device tables of one kernel launch: addresses per tensor and (tensor, start) per block."""
 
@@ -158,7 +174,7 @@ class _GroupPlan:
 
 class FusedAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay) stepped by one Triton kernel per param group, which also
-    writes each parameter's 16-bit model copy (see the module docstring). Params: fp32 CUDA tensors."""
+    writes each parameter's 16-bit model copy (see the module docstring). Params: fp32 tensors."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  capturable: bool = False):
@@ -168,8 +184,8 @@ class FusedAdamW(torch.optim.AdamW):
                          capturable=capturable)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dtype != torch.float32 or not p.is_cuda:
-                    raise ValueError(f"FusedAdamW steps fp32 CUDA params, got {p.dtype} on {p.device}")
+                if p.dtype != torch.float32:
+                    raise ValueError(f"FusedAdamW steps fp32 params, got {p.dtype}")
         self._model_params: Dict[int, torch.Tensor] = {}
         self._plans: Dict[int, _GroupPlan] = {}
         self._lr_buffers: Dict[int, torch.Tensor] = {}
@@ -256,10 +272,6 @@ class FusedAdamW(torch.optim.AdamW):
                 step.add_(1.0 - found_inf.to(step.dtype).reshape(()))
             else:
                 step.add_(1.0)
-            key = tuple(t.data_ptr() if t is not None else 0 for ts in tensors for t in ts)
-            plan = self._plans.get(index)
-            if plan is None or plan.key != key:
-                plan = self._plans[index] = _GroupPlan(key, tensors, ADAMW_CONFIG["block"], device)
             beta1, beta2 = group["betas"]
             lr = self._lr_tensor(index, group, device)
             betas = self._betas.get((beta1, beta2))
@@ -268,6 +280,15 @@ class FusedAdamW(torch.optim.AdamW):
                                                                    device=device)
             # 1 - beta^step computed in float64 on the device: no host synchronisation, graph-capturable
             bias_corr = (1.0 - betas.pow(step)).to(torch.float32)
+            if not fused_adamw_available(device):
+                if found_inf is None or not bool(found_inf):
+                    _adamw_reference(tensors, lr, bias_corr, grad_scale, float(group["weight_decay"]), beta1,
+                                     beta2, float(group["eps"]))
+                continue
+            key = tuple(t.data_ptr() if t is not None else 0 for ts in tensors for t in ts)
+            plan = self._plans.get(index)
+            if plan is None or plan.key != key:
+                plan = self._plans[index] = _GroupPlan(key, tensors, ADAMW_CONFIG["block"], device)
             for launch in plan.launches:
                 _adamw_kernel[(launch.num_blocks,)](
                     launch.ptrs, launch.blk_tensor, launch.blk_start, launch.numel, lr, bias_corr,
