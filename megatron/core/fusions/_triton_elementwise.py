@@ -166,6 +166,18 @@ def _colsum_launch(m: int, n: int, device: torch.device):
     return col_blocks, triton.cdiv(row_tiles, per_program), per_program
 
 
+def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``part.sum(0)`` cast to ``out_dtype`` for a contiguous fp32 ``[rows, n]`` array of per-program partial
+    sums (the bias-gradient and LayerNorm weight-gradient partials of the backward kernels): one launch of the
+    finishing kernel instead of PyTorch's reduction and a cast."""
+    rows, n = part.shape
+    out = torch.empty(n, dtype=out_dtype, device=part.device)
+    if n:
+        _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N),)](
+            part, out, rows, n, BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
+    return out
+
+
 def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Sums of the [m, n] tensor ``x2d`` over its rows (``x2d.sum(0)``), accumulated in fp32 and returned as an
     [n] tensor of ``out_dtype``; m == 0 gives zeros. Deterministic (no atomics): the row groups' fp32 partial
@@ -188,9 +200,7 @@ def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return out
     part = torch.empty((row_groups, n), dtype=torch.float32, device=x2d.device)
     _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, m, n, per_program, **meta)
-    _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N),)](
-        part, out, row_groups, n, BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
-    return out
+    return sum_partial_rows(part, out_dtype)
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -234,7 +244,7 @@ def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.T
         _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
                                     HAS_BIAS=bias is not None, **meta)
         if bias is not None:
-            dbias = part.sum(0).to(bias.dtype)
+            dbias = sum_partial_rows(part, bias.dtype)
     elif bias is not None:
         dbias = torch.zeros_like(bias)
     return dx, dbias
@@ -347,7 +357,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
             _dropout_bwd_kernel[grid](dout, dz, part, seed if seed is not None else dout, m, n, tiles, ctx.prob,
                                       ctx.scale, DROPOUT=ctx.dropout, WRITE_DX=write_dx, HAS_BIAS=has_bias, **meta)
             if has_bias:
-                dbias = part.sum(0).to(ctx.bias_dtype)
+                dbias = sum_partial_rows(part, ctx.bias_dtype)
         elif has_bias:
             dbias = torch.zeros(n, dtype=ctx.bias_dtype, device=dout.device)
         dres = dout if dout.dtype == ctx.r_dtype else dout.to(ctx.r_dtype)

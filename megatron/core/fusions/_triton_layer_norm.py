@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.fusions._triton_elementwise import _sm_count
+from megatron.core.fusions._triton_elementwise import _sm_count, sum_partial_rows
 
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
 
@@ -147,6 +147,6 @@ class LayerNormFunction(torch.autograd.Function):
         _ln_bwd_kernel[(programs,)](dy2, x2, weight, mean, rstd, dx, dw_part, db_part, m, n, tiles,
                                     ZERO_CENTERED=ctx.zero_centered, HAS_BIAS=ctx.has_bias, BLOCK_M=block_m,
                                     BLOCK_N=ctx.block_n, num_warps=warps)
-        dw = dw_part.sum(0).to(weight.dtype)
-        db = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+        dw = sum_partial_rows(dw_part, weight.dtype)
+        db = sum_partial_rows(db_part, ctx.bias_dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw, db, None, None
