@@ -109,6 +109,24 @@ def test_attention_backend_flag_maps_to_a_kernel(flag, backend):
     assert parse_args(BASE + ["--attention-backend", flag, "--no-masked-softmax-fusion"]).attention_backend == "unfused"
 
 
+def test_fused_adamw_flag_reaches_the_optimizer_factory(monkeypatch):
+    """--no-fused-adamw turns FusedAdamW off; the factory picks it only for 16-bit params on a device where the
+    Triton kernel runs (so the CPU keeps torch's foreach AdamW either way)."""
+    import megatron.core.optimizer.factory as factory
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.fused_adamw import FusedAdamW
+
+    assert parse_args(BASE).fused_adamw and not parse_args(BASE + ["--no-fused-adamw"]).fused_adamw
+    groups = lambda: [{"params": [torch.nn.Parameter(torch.zeros(4))]}]  # noqa: E731
+    cpu = torch.device("cpu")
+    assert not isinstance(factory.make_torch_optimizer(OptimizerConfig(bf16=True), groups(), cpu, True), FusedAdamW)
+    monkeypatch.setattr(factory, "fused_adamw_available", lambda device: True)  # as on a CUDA machine
+    assert isinstance(factory.make_torch_optimizer(OptimizerConfig(bf16=True), groups(), cpu, True), FusedAdamW)
+    assert not isinstance(factory.make_torch_optimizer(OptimizerConfig(bf16=True), groups(), cpu, False), FusedAdamW)
+    assert not isinstance(factory.make_torch_optimizer(OptimizerConfig(bf16=True, fused_adamw=False), groups(), cpu,
+                                                       True), FusedAdamW)
+
+
 def test_flops_formula_matches_megatron_per_token_count():
     class A:
         hidden_size, num_layers, seq_length, ffn_hidden_size, padded_vocab_size = 2048, 24, 2048, 8192, 50304
