@@ -7,13 +7,15 @@
 #   bash bench/gpu_session.sh recompute [RESULTS_DIR]   ours at 1.3B under each recomputation setting (none,
 #                                                   selective both / mlp_act, full uniform / block): the time and
 #                                                   memory trade, one side table per setting: ~4 min
+#   bash bench/gpu_session.sh check [RESULTS_DIR]   a quick look after a change: the kernel, FP8 and optimizer GPU
+#                                                   tests, then ours (bf16) at both shapes without peers: ~2 min
 #   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm and FP8-cast launch sweeps; the best
 #                                                   configurations are written into megatron/core/fusions/
 #                                                   _triton_layer_norm.py and _triton_fp8.py (commit them)
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?tests, table, recompute or sweep}
+what=${1:?tests, table, recompute, check or sweep}
 R=${2:-bench/results}
 mkdir -p "$R/logs"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -34,8 +36,14 @@ case "$what" in
       python bench/gpu_throughput.py --trainers ours --shapes 1.3b --iters 10 --warmup 5 --results-dir "$R" \
           --log-dir "$R/logs" --tag "recompute_${spec%%:*}" --ours-args "${spec#*:}" | grep "^| ours"
     done ;;
+  check)
+    python -m pytest -q tests/unit/optimizer/test_fused_adamw.py tests/gpu/test_fused_kernels.py \
+        tests/gpu/test_fp8_gemms.py 2>&1 | tee "$R/gpu_tests_check.log" | tail -3
+    python bench/gpu_throughput.py --trainers ours --iters 8 --warmup 4 --results-dir "$R" --log-dir "$R/logs" \
+        --tag check --ours-shape-args "1.3b:--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12" \
+        --ours-shape-args "124m:--enable-cuda-graph" | grep "^| ours" ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --apply-layer-norm --out "$R/kernel_sweep_ln.json" | tail -3
     python bench/kernel_sweep.py --only fp8 --apply-fp8 --out "$R/kernel_sweep_fp8.json" | tail -3 ;;
-  *) echo "unknown step $what (tests, table, recompute or sweep)" >&2; exit 2 ;;
+  *) echo "unknown step $what (tests, table, recompute, check or sweep)" >&2; exit 2 ;;
 esac
