@@ -70,11 +70,9 @@ class BiasGeLULinearFunction(torch.autograd.Function):
         d2 = dout.reshape(-1, dout.shape[-1])  # [s*b, h]
         if ctx.fp8_format is not None:
             need_dw = ctx.needs_input_grad[2]
-            if ctx.recompute:  # only q(g)^T is needed (the weight-gradient GEMM's operand)
-                (wqt, w_inv), gq_t, g_inv = saved, None, None
-            else:
-                wqt, w_inv, gq_t, g_inv = saved
-            if ctx.recompute and need_dw:
+            wqt, w_inv, *kept = saved  # kept: q(g)^T and 1/s_g, unless the GeLU output is recomputed
+            gq_t, g_inv = kept if kept else (None, None)
+            if ctx.recompute and need_dw:  # only q(g)^T is needed (the weight-gradient GEMM's operand)
                 src = x if ctx.fused else _gelu_forward(x, bias, False)
                 _, gq_t, g_inv = fp8.quantize(src.reshape(-1, x.shape[-1]), fp8.E4M3, ctx.fp8_margin,
                                               transpose=True, rows=False, gelu=ctx.fused,

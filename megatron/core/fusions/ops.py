@@ -50,13 +50,17 @@ def layer_norm_reference(
     return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
 
 
+def _as_rows(dy: torch.Tensor) -> torch.Tensor:
+    """``dy`` viewed as ``[-1, n]`` (also when it is empty)."""
+    n = dy.shape[-1]
+    return dy.reshape(dy.numel() // n if n else 0, n)
+
+
 def bias_grad_reference(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Column sums of ``dy`` viewed as ``[-1, dy.shape[-1]]`` in ``out_dtype`` (default ``dy.dtype``): exactly
     ``dy.reshape(-1, n).sum(0)`` for the default; a wider ``out_dtype`` is also the accumulation dtype."""
     out_dtype = dy.dtype if out_dtype is None else out_dtype
-    n = dy.shape[-1]
-    dy2 = dy.reshape(dy.numel() // n if n else 0, n)
-    return dy2.sum(0, dtype=torch.promote_types(dy.dtype, out_dtype)).to(out_dtype)
+    return _as_rows(dy).sum(0, dtype=torch.promote_types(dy.dtype, out_dtype)).to(out_dtype)
 
 
 def scaled_masked_softmax_reference(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -149,6 +153,5 @@ def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torc
     memory bandwidth (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``.
     """
     if HAVE_TRITON and dy.is_cuda and not torch.compiler.is_compiling():
-        n = dy.shape[-1]
-        return column_sum(dy.reshape(dy.numel() // n if n else 0, n), dy.dtype if out_dtype is None else out_dtype)
+        return column_sum(_as_rows(dy), dy.dtype if out_dtype is None else out_dtype)
     return bias_grad_reference(dy, out_dtype)
