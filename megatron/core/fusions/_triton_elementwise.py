@@ -51,34 +51,60 @@ _COLSUM_FINISH_BLOCK_R = 64
 
 
 @triton.jit
-def gelu_f32(z):
-    """Exact (erf) GeLU of fp32 values; the one definition the bias+GeLU and FP8-quantization kernels share, so
-    quantizing gelu(x + b) inside the FP8 kernels gives the bits of quantizing this kernel's output."""
-    return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+def _gelu_cdf_and_gauss(z):
+    """(Phi(z), exp(-z^2 / 2)) for fp32 ``z``: the normal CDF from erfc(|z| / sqrt 2) ~= t P(t) exp(-z^2 / 2),
+    t = 1 / (1 + p |z| / sqrt 2) (Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7). One exp and one reciprocal
+    instead of libdevice's two-branch erff, which made these kernels instruction-bound (an H200 ran the forward
+    at 2.8 TB/s against 4.0 for a copy of the same shape); Phi of negative z comes from erfc directly, without
+    the cancellation of 1 + erf(z / sqrt 2). The exp is shared with the backward's Gaussian density."""
+    a = tl.abs(z) * 0.7071067811865476
+    gauss = tl.exp(-a * a)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    erfc = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))) * gauss
+    cdf = tl.where(z < 0, 0.5 * erfc, 1.0 - 0.5 * erfc)
+    return cdf, gauss
 
 
 @triton.jit
-def _bias_gelu_fwd_kernel(X, B, Y, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    """Y = gelu(X + B) for a contiguous X viewed as [M, N]."""
+def gelu_f32(z):
+    """GeLU z * Phi(z) of fp32 values (the erf GeLU, max abs error 4.3e-7 over [-10, 10] against float64, where
+    PyTorch's fp32 F.gelu is within 1.2e-6); the one definition the bias+GeLU and FP8-quantization kernels
+    share, so quantizing gelu(x + b) inside the FP8 kernels gives the bits of quantizing this kernel's output."""
+    cdf, _ = _gelu_cdf_and_gauss(z)
+    return z * cdf
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(X, B, Y, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Y = gelu(X + B) for a contiguous X viewed as [M, N]; EVEN: the grid covers [M, N] exactly and M * N <
+    2^31, so no masks and 32-bit offsets."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_BIAS:
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     for t in range(0, ROW_TILES):
         rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if EVEN:
+            offs = rows[:, None] * N + cols[None, :]
+            z = tl.load(X + offs).to(tl.float32)
+        else:
+            mask = (rows < M)[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += b[None, :]
-        tl.store(Y + offs, gelu_f32(z).to(Y.dtype.element_ty), mask=mask)
+        if EVEN:
+            tl.store(Y + offs, gelu_f32(z).to(Y.dtype.element_ty))
+        else:
+            tl.store(Y + offs, gelu_f32(z).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    """DX = DY * gelu'(X + B) with gelu'(z) = Phi(z) + z * phi(z); DB_PART[program row] = column sums of DX."""
+def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """DX = DY * gelu'(X + B) with gelu'(z) = Phi(z) + z * phi(z); DB_PART[program row] = column sums of DX.
+    EVEN as in the forward kernel (unmasked, it ran 7% faster on an H200)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_BIAS:
@@ -86,16 +112,24 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.c
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # reduced over rows once, at the end
     for t in range(0, ROW_TILES):
         rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if EVEN:
+            offs = rows[:, None] * N + cols[None, :]
+            z = tl.load(X + offs).to(tl.float32)
+            dy = tl.load(DY + offs).to(tl.float32)
+        else:
+            mask = (rows < M)[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += b[None, :]
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
-        dx = tl.where(mask, dy * (cdf + z * pdf), 0.0)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        cdf, gauss = _gelu_cdf_and_gauss(z)
+        dx = dy * (cdf + z * gauss * 0.3989422804014327)
+        if EVEN:
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty))
+        else:
+            dx = tl.where(mask, dx, 0.0)
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             acc += dx
     if HAS_BIAS:
@@ -121,6 +155,11 @@ def _launch(kernel_name: str, m: int, n: int, device: torch.device):
     per_program = triton.cdiv(row_tiles_total, row_groups)
     row_groups = triton.cdiv(row_tiles_total, per_program)
     return (col_blocks, row_groups), per_program, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+def _even(grid, per_program: int, meta: dict, m: int, n: int) -> bool:
+    """True when a ``_launch`` grid covers ``[m, n]`` exactly (no masks needed) with 32-bit offsets."""
+    return grid[1] * per_program * meta["BLOCK_M"] == m and n % meta["BLOCK_N"] == 0 and m * n < 2**31
 
 
 @triton.jit
@@ -216,7 +255,7 @@ class BiasGeLUFunction(torch.autograd.Function):
         if m and n:
             grid, tiles, meta = _launch("gelu_fwd", m, n, x.device)
             _bias_gelu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, n, tiles,
-                                        HAS_BIAS=bias is not None, **meta)
+                                        HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
         return y
@@ -242,7 +281,7 @@ def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.T
         grid, tiles, meta = _launch("gelu_bwd", m, n, x.device)
         part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device) if bias is not None else x
         _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
-                                    HAS_BIAS=bias is not None, **meta)
+                                    HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
         if bias is not None:
             dbias = sum_partial_rows(part, bias.dtype)
     elif bias is not None:
