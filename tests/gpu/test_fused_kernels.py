@@ -233,3 +233,92 @@ def test_column_sum_and_bias_grad(dtype, shape):
             continue
         assert rel_err(out, ref) < TOL[out.dtype]  # fp32 output: only the summation order differs
     assert column_sum(x, dtype).dtype == dtype and ops.bias_grad(x).dtype == dtype
+
+
+@pytest.mark.parametrize("shape", [(16384, 768), (33, 100)])  # several row groups / a single one
+def test_column_sum_accumulate_into(shape):
+    """column_sum / sum_partial_rows add their fp32 sums to a given fp32 buffer and return None."""
+    from megatron.core.fusions._triton_elementwise import column_sum, sum_partial_rows
+
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    acc = torch.randn(shape[1], device="cuda")
+    start = acc.clone()
+    assert column_sum(x, torch.bfloat16, accumulate_into=acc) is None
+    assert rel_err(acc - start, x.float().sum(0)) < 1e-5
+    part = torch.randn(7, shape[1], device="cuda")
+    before = acc.clone()
+    assert sum_partial_rows(part, torch.bfloat16, accumulate_into=acc) is None
+    assert rel_err(acc - before, part.sum(0)) < 1e-5
+    with pytest.raises(ValueError, match="accumulate_into"):
+        column_sum(x, torch.bfloat16, accumulate_into=acc.to(torch.bfloat16))
+
+
+def _flagged(t: torch.Tensor, flag: bool = True) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(t)
+    p.grad_accumulation_fusion = flag
+    p.main_grad = torch.randn(t.shape, device="cuda", dtype=torch.float32)
+    p.main_grad_start = p.main_grad.clone()
+    return p
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_small_param_grads_go_into_main_grad(flag):
+    """Gradient-accumulation fusion for biases and LayerNorm parameters (fusions/main_grad.py): flagged
+    Parameters with an fp32 main_grad get their gradient added there by the fused kernels (no .grad), twice
+    over two backward passes; unflagged ones get a .grad. Both equal the fp32 reference gradients."""
+    from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
+
+    h, f = 256, 1024
+    dt = torch.bfloat16
+    ln_w = _flagged(torch.randn(h, device="cuda", dtype=dt), flag)
+    ln_b = _flagged(torch.randn(h, device="cuda", dtype=dt), flag)
+    w1 = _flagged(torch.randn(f, h, device="cuda", dtype=dt) * 0.05, flag)
+    b1 = _flagged(torch.randn(f, device="cuda", dtype=dt), flag)  # the bias+GeLU bias
+    w2 = torch.nn.Parameter(torch.randn(h, f, device="cuda", dtype=dt) * 0.05)
+    b2 = _flagged(torch.randn(h, device="cuda", dtype=dt), flag)  # the bias-dropout-add bias
+    qkv_b = _flagged(torch.randn(f, device="cuda", dtype=dt), flag)  # a linear's own bias
+    small = [ln_w, ln_b, b1, b2, qkv_b]
+    refs = {id(p): p.detach().float().clone().requires_grad_() for p in [ln_w, ln_b, w1, b1, w2, b2, qkv_b]}
+
+    def model(x, ps, fused):
+        lw, lb, w_1, b_1, w_2, b_2, qb = ps
+        ln = ops.layer_norm(x, lw, lb, 1e-5, use_fused=fused)
+        side = (linear_with_grad_accumulation_fusion(ln, w_1, qb) if fused
+                else torch.nn.functional.linear(ln, w_1, qb))
+        act = ops.bias_gelu(torch.nn.functional.linear(ln, w_1), b_1, use_fused=fused)
+        out = ops.bias_dropout_add(torch.nn.functional.linear(act, w_2), b_2, x, 0.0, True, use_fused=fused)
+        return out.float().sum() + side.float().square().mean()
+
+    order = [ln_w, ln_b, w1, b1, w2, b2, qkv_b]
+    for _ in range(2):
+        x = torch.randn(64, 4, h, device="cuda", dtype=dt)
+        model(x, order, True).backward()
+        model(x.float(), [refs[id(p)] for p in order], False).backward()
+    for p in small:
+        want = refs[id(p)].grad
+        if flag:
+            assert p.grad is None and p.grad_added_to_main_grad
+            assert rel_err(p.main_grad - p.main_grad_start, want) < 1e-2
+        else:
+            assert torch.equal(p.main_grad, p.main_grad_start)
+            assert rel_err(p.grad, want) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_with_residual(dtype):
+    """The residual branch's gradient is added inside the fused LayerNorm backward: x's gradient through both
+    uses (LayerNorm and residual) equals the reference's, where autograd adds them."""
+    shape = (128, 4, 1024)
+    x = _leaf(shape, dtype)
+    w, b = _leaf(shape[-1:], dtype), _leaf(shape[-1:], dtype)
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+
+    def run(fn):
+        y, res = fn(x, w, b, 1e-5)
+        return ops.bias_dropout_add(y * 3.0, None, res, 0.0, True, use_fused=False)
+
+    out_f, grads_f = _grads(lambda: run(lambda *a: ops.layer_norm_with_residual(*a, use_fused=True)), [x, w, b], g)
+    out_r, grads_r = _grads(lambda: run(lambda *a: (ops.layer_norm_reference(*a), a[0])), [x, w, b], g)
+    assert rel_err(out_f, out_r) < TOL[dtype]
+    for gf, gr in zip(grads_f, grads_r):
+        assert rel_err(gf, gr) < TOL[dtype]

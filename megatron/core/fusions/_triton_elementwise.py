@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron.core.fusions.main_grad import reduce_param_grad
+
 # Tiles: BLOCK_M rows x BLOCK_N columns of the tensor viewed as [M, N] (N = last dimension). Each program walks
 # ROW_TILES row tiles of one column block, so the bias is loaded once and bias-gradient partial sums stay in
 # registers; no per-element integer modulo is needed to find the bias column. One (BLOCK_M, BLOCK_N, num_warps,
@@ -163,9 +165,11 @@ def _even(grid, per_program: int, meta: dict, m: int, n: int) -> bool:
 
 
 @triton.jit
-def _colsum_partial_kernel(X, PART, M, N, ROW_TILES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _colsum_partial_kernel(X, PART, M, N, ROW_TILES, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
     """PART[g, cols] = sum of X[rows, cols] over the row tiles g*ROW_TILES .. (g+1)*ROW_TILES - 1 of column
-    block program_id(0) (g = program_id(1)), for a contiguous X [M, N]; fp32 sums, stored in PART's dtype."""
+    block program_id(0) (g = program_id(1)), for a contiguous X [M, N]; fp32 sums, stored in PART's dtype
+    (ACCUMULATE, one row group only: added to PART's fp32 values)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     first = tl.program_id(1) * ROW_TILES
@@ -174,13 +178,16 @@ def _colsum_partial_kernel(X, PART, M, N, ROW_TILES, BLOCK_M: tl.constexpr, BLOC
         rows = (first + t) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
         acc += tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(PART + tl.program_id(1).to(tl.int64) * N + cols, tl.sum(acc, axis=0).to(PART.dtype.element_ty),
-             mask=cmask)
+    total = tl.sum(acc, axis=0)
+    if ACCUMULATE:
+        total += tl.load(PART + cols, mask=cmask, other=0.0)
+    tl.store(PART + tl.program_id(1).to(tl.int64) * N + cols, total.to(PART.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def _colsum_finish_kernel(PART, OUT, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """OUT[cols] = sum over the R rows of the fp32 PART [R, N], cast to OUT's dtype."""
+def _colsum_finish_kernel(PART, OUT, R, N, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[cols] = sum over the R rows of the fp32 PART [R, N], cast to OUT's dtype (ACCUMULATE: added to the
+    fp32 OUT)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
@@ -188,7 +195,10 @@ def _colsum_finish_kernel(PART, OUT, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.co
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < R)[:, None] & cmask[None, :]
         acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
+    total = tl.sum(acc, axis=0)
+    if ACCUMULATE:
+        total += tl.load(OUT + cols, mask=cmask, other=0.0)
+    tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=cmask)
 
 
 def _colsum_launch(m: int, n: int, device: torch.device):
@@ -205,41 +215,54 @@ def _colsum_launch(m: int, n: int, device: torch.device):
     return col_blocks, triton.cdiv(row_tiles, per_program), per_program
 
 
-def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _check_accumulator(acc: Optional[torch.Tensor], n: int, device: torch.device) -> None:
+    if acc is not None and (acc.dtype != torch.float32 or acc.shape != (n,) or not acc.is_contiguous()
+                            or acc.device != device):
+        raise ValueError(f"accumulate_into must be a contiguous fp32 [{n}] tensor on {device}, got "
+                         f"{acc.dtype} {tuple(acc.shape)} on {acc.device}")
+
+
+def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype,
+                     accumulate_into: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``part.sum(0)`` cast to ``out_dtype`` for a contiguous fp32 ``[rows, n]`` array of per-program partial
     sums (the bias-gradient and LayerNorm weight-gradient partials of the backward kernels): one launch of the
-    finishing kernel instead of PyTorch's reduction and a cast."""
+    finishing kernel instead of PyTorch's reduction and a cast. With ``accumulate_into`` (a contiguous fp32
+    ``[n]`` tensor, e.g. a parameter's ``main_grad``) the sums are added to it instead and None is returned."""
     rows, n = part.shape
-    out = torch.empty(n, dtype=out_dtype, device=part.device)
+    _check_accumulator(accumulate_into, n, part.device)
+    out = torch.empty(n, dtype=out_dtype, device=part.device) if accumulate_into is None else accumulate_into
     if n:
         _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N),)](
-            part, out, rows, n, BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
-    return out
+            part, out, rows, n, ACCUMULATE=accumulate_into is not None, BLOCK_R=_COLSUM_FINISH_BLOCK_R,
+            BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
+    return out if accumulate_into is None else None
 
 
-def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype,
+               accumulate_into: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Sums of the [m, n] tensor ``x2d`` over its rows (``x2d.sum(0)``), accumulated in fp32 and returned as an
     [n] tensor of ``out_dtype``; m == 0 gives zeros. Deterministic (no atomics): the row groups' fp32 partial
     sums go to a [row groups, n] array that a second kernel adds up, or, with one row group, straight to the
-    output."""
+    output. With ``accumulate_into`` (a contiguous fp32 ``[n]`` tensor) the sums are added to it instead and
+    None is returned."""
     if x2d.dim() != 2:
         raise ValueError(f"column_sum expects a 2-D tensor, got shape {tuple(x2d.shape)}")
     m, n = x2d.shape
-    out = torch.empty(n, dtype=out_dtype, device=x2d.device)
-    if n == 0:
-        return out
-    if m == 0:
-        return out.zero_()
+    _check_accumulator(accumulate_into, n, x2d.device)
+    acc = accumulate_into is not None
+    out = accumulate_into if acc else torch.empty(n, dtype=out_dtype, device=x2d.device)
+    if n == 0 or m == 0:
+        return None if acc else out.zero_()
     x2d = x2d.contiguous()
     col_blocks, row_groups, per_program = _colsum_launch(m, n, x2d.device)
     meta = dict(BLOCK_M=COLSUM_CONFIG["block_m"], BLOCK_N=COLSUM_CONFIG["block_n"],
                 num_warps=COLSUM_CONFIG["num_warps"])
     if row_groups == 1:
-        _colsum_partial_kernel[(col_blocks, 1)](x2d, out, m, n, per_program, **meta)
-        return out
+        _colsum_partial_kernel[(col_blocks, 1)](x2d, out, m, n, per_program, ACCUMULATE=acc, **meta)
+        return None if acc else out
     part = torch.empty((row_groups, n), dtype=torch.float32, device=x2d.device)
-    _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, m, n, per_program, **meta)
-    return sum_partial_rows(part, out_dtype)
+    _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, m, n, per_program, ACCUMULATE=False, **meta)
+    return sum_partial_rows(part, out_dtype, accumulate_into)
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -256,7 +279,7 @@ class BiasGeLUFunction(torch.autograd.Function):
             grid, tiles, meta = _launch("gelu_fwd", m, n, x.device)
             _bias_gelu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, n, tiles,
                                         HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.bias_param = bias is not None, bias
         ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
         return y
 
@@ -266,11 +289,14 @@ class BiasGeLUFunction(torch.autograd.Function):
             x, bias = ctx.saved_tensors
         else:
             (x,), bias = ctx.saved_tensors, None
-        return bias_gelu_backward(dy, x, bias)
+        return bias_gelu_backward(dy, x, bias, ctx.bias_param)
 
 
-def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]):
-    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dy``, in one Triton pass."""
+def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
+                       bias_param: Optional[torch.Tensor] = None):
+    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dy``, in one Triton pass. ``bias_param``: the
+    bias Parameter, whose gradient goes into its ``main_grad`` when it takes part in gradient-accumulation
+    fusion (``main_grad.py``; dbias is then None)."""
     x = x.contiguous()
     dy = dy.contiguous()
     dx = torch.empty_like(x)
@@ -283,7 +309,7 @@ def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.T
         _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
                                     HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
         if bias is not None:
-            dbias = sum_partial_rows(part, bias.dtype)
+            dbias = reduce_param_grad(bias_param, lambda acc: sum_partial_rows(part, bias.dtype, acc))
     elif bias is not None:
         dbias = torch.zeros_like(bias)
     return dx, dbias
@@ -372,6 +398,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         ctx.dropout, ctx.prob, ctx.scale = dropout, float(prob), scale
         ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.bias_param = bias
         return out
 
     @staticmethod
@@ -389,14 +416,15 @@ class BiasDropoutAddFunction(torch.autograd.Function):
             # (PyTorch's dout.sum(0) ran at ~1.3 TB/s on an H200, the dropout kernel with WRITE_DX=False and its
             # large partial array at 0.7 TB/s)
             if has_bias:
-                dbias = column_sum(dout.reshape(m, n), ctx.bias_dtype)
+                dbias = reduce_param_grad(ctx.bias_param,
+                                          lambda acc: column_sum(dout.reshape(m, n), ctx.bias_dtype, acc))
         elif m and n:
             grid, tiles, meta = _launch("dropout_bwd", m, n, dout.device)
             part = torch.empty((grid[1], n), dtype=torch.float32, device=dout.device) if has_bias else dout
             _dropout_bwd_kernel[grid](dout, dz, part, seed if seed is not None else dout, m, n, tiles, ctx.prob,
                                       ctx.scale, DROPOUT=ctx.dropout, WRITE_DX=write_dx, HAS_BIAS=has_bias, **meta)
             if has_bias:
-                dbias = sum_partial_rows(part, ctx.bias_dtype)
+                dbias = reduce_param_grad(ctx.bias_param, lambda acc: sum_partial_rows(part, ctx.bias_dtype, acc))
         elif has_bias:
             dbias = torch.zeros(n, dtype=ctx.bias_dtype, device=dout.device)
         dres = dout if dout.dtype == ctx.r_dtype else dout.to(ctx.r_dtype)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from megatron.core.fusions._triton_elementwise import _sm_count, sum_partial_rows
+from megatron.core.fusions.main_grad import reduce_param_grad
 
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
 
@@ -59,8 +60,8 @@ def _ln_fwd_kernel(X, W, B, Y, MEAN, RSTD, M, N, eps, HAS_BIAS: tl.constexpr, ZE
 
 
 @triton.jit
-def _ln_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, TILES, ZERO_CENTERED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _ln_bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART, M, N, TILES, ZERO_CENTERED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -83,6 +84,8 @@ def _ln_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, TILES, ZERO
         c1 = tl.sum(xhat * wdy, axis=1) / N
         c2 = tl.sum(wdy, axis=1) / N
         dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_RES:  # the gradient reaching x through the residual branch, added here instead of by autograd
+            dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += dy * xhat
         if HAS_BIAS:
@@ -102,11 +105,16 @@ def _block_m(tile_elems: int, block_n: int) -> int:
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dimension."""
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dimension.
+
+    With ``residual_out`` it also returns ``x`` itself (a view), for the residual branch of a pre-LN layer: the
+    gradient arriving there is then added to dx inside the backward kernel (one more read) instead of by
+    autograd's separate add of the two gradients of ``x`` (two reads and a write).
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                zero_centered_gamma: bool) -> torch.Tensor:
+                zero_centered_gamma: bool, residual_out: bool = False):
         n = x.shape[-1]
         if weight.numel() != n or (bias is not None and bias.numel() != n):
             raise ValueError(f"layer_norm: weight/bias size must equal the last dimension {n}")
@@ -126,13 +134,16 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.has_bias, ctx.zero_centered = bias is not None, bool(zero_centered_gamma)
         ctx.block_n, ctx.shape = block_n, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.view(x.shape)
+        ctx.params = (weight, bias)  # gradient-accumulation fusion (main_grad.py) looks at the Parameters
+        ctx.residual_out = bool(residual_out)
+        return (y.view(x.shape), x.view_as(x)) if residual_out else y.view(x.shape)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor, dres: Optional[torch.Tensor] = None):
         x2, weight, mean, rstd = ctx.saved_tensors
         m, n = x2.shape
         dy2 = dy.reshape(m, n).contiguous()
+        dres2 = dres.reshape(m, n).contiguous() if dres is not None else None
         dx = torch.empty_like(x2)
         tile_elems, warps, per_sm = LN_CONFIG["bwd"]
         block_m = _block_m(tile_elems, ctx.block_n)
@@ -144,9 +155,12 @@ class LayerNormFunction(torch.autograd.Function):
         programs = triton.cdiv(row_tiles, tiles)
         dw_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device)
         db_part = torch.empty(programs, n, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
-        _ln_bwd_kernel[(programs,)](dy2, x2, weight, mean, rstd, dx, dw_part, db_part, m, n, tiles,
-                                    ZERO_CENTERED=ctx.zero_centered, HAS_BIAS=ctx.has_bias, BLOCK_M=block_m,
-                                    BLOCK_N=ctx.block_n, num_warps=warps)
-        dw = sum_partial_rows(dw_part, weight.dtype)
-        db = sum_partial_rows(db_part, ctx.bias_dtype) if ctx.has_bias else None
-        return dx.view(ctx.shape), dw, db, None, None
+        _ln_bwd_kernel[(programs,)](dy2, x2, weight, mean, rstd, dres2 if dres2 is not None else dy2, dx, dw_part,
+                                    db_part, m, n, tiles, ZERO_CENTERED=ctx.zero_centered, HAS_BIAS=ctx.has_bias,
+                                    HAS_RES=dres2 is not None, BLOCK_M=block_m, BLOCK_N=ctx.block_n,
+                                    num_warps=warps)
+        w_param, b_param = ctx.params
+        dw = reduce_param_grad(w_param, lambda acc: sum_partial_rows(dw_part, weight.dtype, acc))
+        db = reduce_param_grad(b_param, lambda acc: sum_partial_rows(db_part, ctx.bias_dtype, acc)) \
+            if ctx.has_bias else None
+        return dx.view(ctx.shape), dw, db, None, None, None

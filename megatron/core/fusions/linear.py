@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.main_grad import mark_added_to_main_grad
 from megatron.core.fusions.ops import bias_grad
 
 
@@ -37,7 +38,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.weight = weight  # the Parameter itself, to reach .main_grad in backward
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.bias = bias is not None, bias
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -46,9 +47,8 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., in]
         dy2 = dy.reshape(-1, dy.shape[-1])  # [tokens, out]
         _accumulate_wgrad(ctx.weight.main_grad, dy2, x.reshape(-1, x.shape[-1]))
-        ctx.weight.grad_added_to_main_grad = True
-        ctx.weight.main_grad_is_zero = False
-        dbias = bias_grad(dy2) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        mark_added_to_main_grad(ctx.weight)
+        dbias = bias_grad(dy2, bias_param=ctx.bias) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, None, dbias
 
 

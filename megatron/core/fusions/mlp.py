@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions import fp8, ops
 from megatron.core.fusions.linear import _accumulate_wgrad
+from megatron.core.fusions.main_grad import mark_added_to_main_grad
 
 
 def _gelu_forward(x: torch.Tensor, bias: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
@@ -27,10 +28,12 @@ def _gelu_forward(x: torch.Tensor, bias: Optional[torch.Tensor], fused: bool) ->
         return ops.bias_gelu_reference(x, bias)
 
 
-def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tensor, fused: bool):
-    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dg``."""
+def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tensor, fused: bool,
+                   bias_param: Optional[torch.Tensor] = None):
+    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dg``; fused, the bias gradient may go into
+    ``bias_param.main_grad`` (``main_grad.py``; dbias is then None)."""
     if fused:
-        return ops.bias_gelu_backward(dg, x, bias)
+        return ops.bias_gelu_backward(dg, x, bias, bias_param)
     xd = x.detach().requires_grad_()
     bd = bias.detach().requires_grad_() if bias is not None else None
     with torch.enable_grad():
@@ -45,7 +48,7 @@ class BiasGeLULinearFunction(torch.autograd.Function):
                 accumulate_into_main_grad: bool, fp8_format: Optional[str], fp8_margin: int, recompute: bool):
         ctx.fused, ctx.fp8_format, ctx.fp8_margin = fused, fp8_format, fp8_margin
         ctx.weight, ctx.accumulate_into_main_grad = weight, accumulate_into_main_grad
-        ctx.has_bias, ctx.recompute = bias is not None, recompute
+        ctx.has_bias, ctx.recompute, ctx.bias_param = bias is not None, recompute, bias
         saved = (x, bias, weight) if bias is not None else (x, weight)
         if fp8_format is None:
             g = _gelu_forward(x, bias, fused)  # [s, b, ffn] temporary, freed after the GEMM
@@ -90,14 +93,13 @@ class BiasGeLULinearFunction(torch.autograd.Function):
             if ctx.accumulate_into_main_grad and main_grad is not None:
                 # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
                 _accumulate_wgrad(main_grad, d2, g2)
-                ctx.weight.grad_added_to_main_grad = True
-                ctx.weight.main_grad_is_zero = False
+                mark_added_to_main_grad(ctx.weight)
                 dweight = None
             else:
                 dweight = d2.t().matmul(g2).to(weight.dtype)  # [h, ffn]
             del g, g2
             dg = dout.matmul(weight)  # [s, b, ffn]
-        dx, dbias = _gelu_backward(x, bias, dg, ctx.fused)
+        dx, dbias = _gelu_backward(x, bias, dg, ctx.fused, ctx.bias_param)
         return dx, dbias, dweight, None, None, None, None, None
 
 

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.main_grad import reduce_param_grad
+
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
     from megatron.core.fusions._triton_elementwise import (BiasDropoutAddFunction, BiasGeLUFunction,
                                                            bias_gelu_backward, column_sum)
@@ -145,13 +147,34 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma)
 
 
-def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                             zero_centered_gamma: bool = False, use_fused: bool = True):
+    """``(layer_norm(x, ...), x)`` for a pre-LN layer whose residual branch starts at ``x``: fused, the residual
+    gradient is added to the LayerNorm input gradient inside the backward kernel (``LayerNormFunction``);
+    otherwise autograd adds the two gradients of ``x``."""
+    if _fusable(x, use_fused) and triton_layer_norm_supported(x):
+        return LayerNormFunction.apply(x, weight, bias, eps, zero_centered_gamma, True)
+    return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma), x
+
+
+def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+              bias_param: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The bias gradient of ``y = x W^T + b`` for the output gradient ``dy [..., n]``: the column sums of ``dy``
     viewed as ``[-1, n]``, accumulated in fp32 and returned in ``out_dtype`` (default ``dy.dtype``).
 
     On CUDA with Triton (and not while ``torch.compile`` traces) a two-kernel Triton column sum that runs near
-    memory bandwidth (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``.
+    memory bandwidth (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``. When the bias
+    Parameter ``bias_param`` takes part in gradient-accumulation fusion (``main_grad.py``) the fp32 sums are
+    added to its ``main_grad`` instead and None is returned.
     """
+    out_dtype = dy.dtype if out_dtype is None else out_dtype
     if HAVE_TRITON and dy.is_cuda and not torch.compiler.is_compiling():
-        return column_sum(_as_rows(dy), dy.dtype if out_dtype is None else out_dtype)
-    return bias_grad_reference(dy, out_dtype)
+        return reduce_param_grad(bias_param, lambda acc: column_sum(_as_rows(dy), out_dtype, acc))
+
+    def reference(acc):
+        if acc is None:
+            return bias_grad_reference(dy, out_dtype)
+        acc.add_(bias_grad_reference(dy, torch.float32))
+        return None
+
+    return reduce_param_grad(bias_param, reference)

@@ -96,7 +96,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         total = _all_gather_dim0(x, group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.bias = group, bias is not None, bias
         return F.linear(total, weight, bias)  # [s, b, out/tp]
 
     @staticmethod
@@ -114,7 +114,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
             total = pending_total.wait()
             grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out/tp, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = bias_grad(g2)
+            grad_b = bias_grad(g2, bias_param=ctx.bias)
         if need_x:
             grad_x = pending_grad_x.wait()  # [s/tp, b, in]
         return grad_x, grad_w, grad_b, None
@@ -183,6 +183,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = _empty((self.output_size_per_partition,), config)
             set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+            self.bias.grad_accumulation_fusion = config.gradient_accumulation_fusion  # fusions/main_grad.py
         else:
             self.register_parameter("bias", None)
 
@@ -254,6 +255,7 @@ class RowParallelLinear(nn.Module):
             self.bias = _empty((output_size,), config)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
             self.bias.sequence_parallel = config.sequence_parallel
+            self.bias.grad_accumulation_fusion = config.gradient_accumulation_fusion  # fusions/main_grad.py
         else:
             self.register_parameter("bias", None)
 

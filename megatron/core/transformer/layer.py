@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from megatron.core import tensor_parallel
-from megatron.core.fusions import bias_dropout_add, bias_gelu, bias_gelu_linear, layer_norm
+from megatron.core.fusions import bias_dropout_add, bias_gelu, bias_gelu_linear, layer_norm, layer_norm_with_residual
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import TransformerConfig
@@ -24,12 +24,20 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(h, device=dev, dtype=dt))
         for p in (self.weight, self.bias):
             p.sequence_parallel = config.sequence_parallel
+            # the fused backward adds gamma/beta gradients straight into main_grad (fusions/main_grad.py)
+            p.grad_accumulation_fusion = config.gradient_accumulation_fusion
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.use_fused = config.use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma, use_fused=self.use_fused)
+
+    def with_residual(self, x: torch.Tensor):
+        """``(self(x), x)``; use the second for the residual branch, so that its gradient is added inside the
+        fused LayerNorm backward (``ops.layer_norm_with_residual``)."""
+        return layer_norm_with_residual(x, self.weight, self.bias, self.eps, self.zero_centered_gamma,
+                                        use_fused=self.use_fused)
 
 
 class MLP(nn.Module):
@@ -94,10 +102,12 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         p, fused = self.config.hidden_dropout, self.config.use_fused_kernels
-        attn_out, attn_bias = self.self_attention(self.input_layernorm(hidden))
+        normed, residual = self.input_layernorm.with_residual(hidden)
+        attn_out, attn_bias = self.self_attention(normed)
         with self._dropout_rng():
-            hidden = bias_dropout_add(attn_out, attn_bias, hidden, p, self.training, use_fused=fused)
-        mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden))
+            hidden = bias_dropout_add(attn_out, attn_bias, residual, p, self.training, use_fused=fused)
+        normed, residual = self.pre_mlp_layernorm.with_residual(hidden)
+        mlp_out, mlp_bias = self.mlp(normed)
         with self._dropout_rng():
-            hidden = bias_dropout_add(mlp_out, mlp_bias, hidden, p, self.training, use_fused=fused)
+            hidden = bias_dropout_add(mlp_out, mlp_bias, residual, p, self.training, use_fused=fused)
         return hidden
