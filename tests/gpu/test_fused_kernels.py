@@ -268,7 +268,7 @@ def test_small_param_grads_go_into_main_grad(flag):
     over two backward passes; unflagged ones get a .grad. Both equal the fp32 reference gradients."""
     from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 
-    h, f = 256, 1024
+    h, f = 1024, 2048  # LayerNorm rows below LN_CONFIG's min_width (768) run PyTorch's kernel, through the hook
     dt = torch.bfloat16
     ln_w = _flagged(torch.randn(h, device="cuda", dtype=dt), flag)
     ln_b = _flagged(torch.randn(h, device="cuda", dtype=dt), flag)
