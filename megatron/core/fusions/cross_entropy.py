@@ -52,11 +52,15 @@ if HAVE_TRITON:
         s = tl.zeros((BLOCK,), tl.float32)  # running sum of exp(x - m) per lane
         for start in range(0, V, BLOCK):
             x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            # lanes that have seen only -inf keep m_new == -inf; guard the exp(-inf - -inf) = nan case
-            alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-            s = s * alpha + tl.where(m_new == float("-inf"), 0.0, tl.exp(x - m_new))
-            m = m_new
+            # One exp per element: for a new lane maximum (d > 0) the sum rescales by exp(m - x) and gains 1,
+            # otherwise it gains exp(x - m); both are exp(-|d|). d is NaN only when x and m are both -inf
+            # (a lane that has seen nothing else), which adds nothing. (Two exps per element, the textbook
+            # update, made this kernel bound by the exp unit rather than by memory.)
+            d = x - m
+            e = tl.exp(-tl.abs(d))
+            e = tl.where(d == d, e, 0.0)
+            s = tl.where(d > 0, s * e + 1.0, s + e)
+            m = tl.maximum(m, x)
         row_max = tl.max(m, axis=0)
         total = tl.sum(s * tl.exp(m - row_max), axis=0)
         lse = row_max + tl.log(total)
