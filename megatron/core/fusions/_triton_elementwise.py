@@ -266,8 +266,8 @@ def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype,
 
 
 class BiasGeLUFunction(torch.autograd.Function):
-    """gelu(x + bias) (exact erf GeLU): one Triton pass forward; backward writes dx and the bias-grad partials
-    in the same pass."""
+    """gelu(x + bias) (the erf GeLU, ``gelu_f32``): one Triton pass forward; backward writes dx and the bias-grad
+    partials in the same pass."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

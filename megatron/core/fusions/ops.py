@@ -120,7 +120,8 @@ def _fusable(x: torch.Tensor, use_fused: bool) -> bool:
 
 
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], use_fused: bool = True) -> torch.Tensor:
-    """gelu(x + bias) (exact GeLU), fused into one pass forward and one backward on CUDA."""
+    """gelu(x + bias) (the erf GeLU, not the tanh one), fused into one pass forward and one backward on CUDA (erf to
+    within 1.5e-7 there, see ``_triton_elementwise.gelu_f32``)."""
     if _fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:]):
         return BiasGeLUFunction.apply(x, bias)
     return bias_gelu_reference(x, bias)
