@@ -6,8 +6,9 @@ pass over every weight: read 2 + 4 bytes, write 4, per parameter and microbatch,
 memory peak). With it, cuBLAS reads and writes the fp32 buffer in the GEMM's epilogue
 (``torch.addmm(main_grad, dy^T, x, out_dtype=float32, out=main_grad)``) and the weight gets no ``.grad``; the
 function sets ``weight.grad_added_to_main_grad = True`` (Megatron's attribute) so a DDP wrapper can tell.
-Because no ``.grad`` arrives, post-accumulate-grad hooks do not fire for such weights: a wrapper that overlaps
-communication by counting hooks must launch those buckets at the end (``finish_grad_sync`` already does).
+The weight's post-accumulate-grad hook still fires, once per backward after every use of the weight (autograd
+runs a leaf's accumulation node even when the incoming gradient is None), so the wrapper's bucket readiness
+under ``--overlap-grad-reduce`` sees it (``tests/unit/distributed/test_dp_parity.py``).
 
 ``linear_with_grad_accumulation_fusion(x, weight, bias)`` equals ``F.linear(x, weight, bias)`` in value and in the
 gradients of ``x`` and ``bias``; it falls back to plain ``F.linear`` when the weight has no fp32 ``main_grad``,

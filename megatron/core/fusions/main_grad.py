@@ -10,7 +10,9 @@ rounding it to 16 bits.
 A parameter takes part when its module flagged it (``param.grad_accumulation_fusion = True``, set from
 ``--gradient-accumulation-fusion``, the default), it requires grad and it carries an fp32 ``main_grad`` (it is
 wrapped by ``DistributedDataParallel`` with fp32 gradient reduction). Like the fused weights it then gets no
-``.grad`` and its post-accumulate-grad hook does not fire; ``grad_added_to_main_grad`` is set.
+``.grad``; ``grad_added_to_main_grad`` is set. Its post-accumulate-grad hook still fires, once per backward after
+every use (autograd runs a leaf's accumulation node even when all its incoming gradients are None), so the
+wrapper's bucket readiness under ``--overlap-grad-reduce`` is unchanged.
 """
 
 from __future__ import annotations
