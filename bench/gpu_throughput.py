@@ -15,7 +15,8 @@ MFU = tokens/s x (72 L h^2 + 12 L h s + 6 h V) / 989e12 (Megatron's model FLOPs 
 Each trainer/shape runs in its own process so peak memory (torch.cuda.max_memory_allocated) is its own.
 Writes ``bench/results/gpu_throughput[_TAG].json`` (rows with the keys trainer, num_layers, hidden_size,
 seq_length, micro_batch_size, ms_per_iter, tokens_per_s, mfu, peak_mem_gib, command) and a Markdown table
-beside it, with the GPU, software versions, date and the exact command.
+beside it, with the GPU, software versions, date and the exact command. For our trainer the extras also keep the
+losses and each averaged iteration's time (``iter_ms``, listed under the table with their median).
 
     python bench/gpu_throughput.py                                   # everything
     python bench/gpu_throughput.py --trainers hf-gpt2,minimal-eager,minimal-compiled --shapes 124m,1.3b
@@ -32,6 +33,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -163,7 +165,7 @@ def parse_ours_log(text: str, warmup: int) -> dict:
     peak = re.findall(r"BENCH_PEAK_MEM_BYTES\s+(\d+)", text)
     return {"ms_per_iter": ms, "log_tflops": sum(tfl) / len(tfl) if tfl else None,
             "peak_mem_gib": int(peak[-1]) / 2**30 if peak else None,
-            "losses": [t[3] for t in iters]}
+            "losses": [t[3] for t in iters], "iter_ms": [t[1] for t in timed]}
 
 
 def run_ours_wrapper(argv: list) -> None:
@@ -281,6 +283,11 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
         md.append(f"| {r['trainer']} | {r['num_layers']} | {r['hidden_size']} | {r['seq_length']} | "
                   f"{r['micro_batch_size']} | {r['ms_per_iter']:.1f} | {r['tokens_per_s']:,.0f} | "
                   f"{100 * r['mfu']:.1f}% | {tfl_s} | {mem_s} |")
+    iter_ms = extras.get("iter_ms", {})
+    if iter_ms:  # the spread behind each average of our trainer (its log has one time per iteration)
+        md += ["", "Our trainer's averaged iterations, one by one (ms), and their median:", ""]
+        md += [f"- {key}: {' '.join(f'{t:.1f}' for t in times)} (median {statistics.median(times):.1f})"
+               for key, times in iter_ms.items() if times]
     md += ["", "Per-row commands:", ""] + [f"- {r['trainer']} {r['num_layers']}x{r['hidden_size']}: `{r['command']}`"
                                            for r in rows]
     with open(path_json[:-5] + ".md", "w") as f:
@@ -292,7 +299,7 @@ def assemble(paths: list, results_dir: str) -> None:
 
     Each row keeps its own exact command; the sources (file, date, command) are listed in the output.
     """
-    rows, extras, sources = {}, {"log_tflops": {}, "losses": {}, "errors": {}, "row_sources": {}}, []
+    rows, extras, sources = {}, {"log_tflops": {}, "losses": {}, "iter_ms": {}, "errors": {}, "row_sources": {}}, []
     env = None
     for path in paths:
         with open(path) as f:
@@ -303,7 +310,7 @@ def assemble(paths: list, results_dir: str) -> None:
             key = f"{r['trainer']}/{r['num_layers']}x{r['hidden_size']}"
             rows[key] = r
             extras["row_sources"][key] = f"{os.path.basename(path)} ({d['date']})"
-            for k in ("log_tflops", "losses"):
+            for k in ("log_tflops", "losses", "iter_ms"):
                 if key in d.get("extras", {}).get(k, {}):
                     extras[k][key] = d["extras"][k][key]
     order = {t: i for i, t in enumerate(TRAINERS)}
@@ -379,7 +386,7 @@ def main() -> None:
             "env": environment(), "command": command}
     os.makedirs(a.results_dir, exist_ok=True)
     out_json = os.path.join(a.results_dir, f"gpu_throughput{'_' + a.tag if a.tag else ''}.json")
-    rows, extras = [], {"log_tflops": {}, "losses": {}, "errors": {}}
+    rows, extras = [], {"log_tflops": {}, "losses": {}, "iter_ms": {}, "errors": {}}
     data_prefix = a.data_prefix
     workdir = tempfile.mkdtemp(prefix="bench_data_")
     for shape_name in shapes:
@@ -402,6 +409,7 @@ def main() -> None:
                     cmd = res["command"]
                     extras["log_tflops"][key] = res["log_tflops"]
                     extras["losses"][key] = res["losses"]
+                    extras["iter_ms"][key] = res["iter_ms"]
                 else:
                     argv = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "--shape", shape_name,
                             "--iters", str(a.iters), "--warmup", str(a.warmup)]

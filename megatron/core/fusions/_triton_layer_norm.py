@@ -135,7 +135,6 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.block_n, ctx.shape = block_n, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.params = (weight, bias)  # gradient-accumulation fusion (main_grad.py) looks at the Parameters
-        ctx.residual_out = bool(residual_out)
         return (y.view(x.shape), x.view_as(x)) if residual_out else y.view(x.shape)
 
     @staticmethod
