@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core.fusions.main_grad import mark_added_to_main_grad
 from megatron.core.fusions.ops import bias_gelu_reference, bias_grad
 
 try:
@@ -140,10 +141,9 @@ def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool,
         return dx, _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32)
     if getattr(accumulate_into, "main_grad_is_zero", False):
         _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32, out=main_grad)  # no read-add-write pass over fp32
-        accumulate_into.main_grad_is_zero = False
     else:
         main_grad.add_(_mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32))
-    accumulate_into.grad_added_to_main_grad = True
+    mark_added_to_main_grad(accumulate_into)
     return dx, None
 
 
