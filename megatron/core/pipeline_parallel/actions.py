@@ -19,14 +19,19 @@ rank ``r`` is matched by a RECV_FORWARD of chunk ``c`` on rank ``r + 1``, or of 
 when ``r`` is the last rank (the wrap-around of interleaved schedules). Neighbours wrap around: the
 previous rank of rank 0 is the last rank.
 
-Consecutive communication actions form one *batch*: the executor posts them together with
-``torch.distributed.batch_isend_irecv`` and waits for all of them before the next compute action.
+Every communication action carries the *phase* the schedule placed it in (``steps`` below). Consecutive
+communication actions of one phase form one *batch*: the executor posts them together with
+``torch.distributed.batch_isend_irecv`` and waits for all of them before it posts the next batch or runs the
+next compute action. A rank idle for a few ticks has consecutive batches of several phases; they stay apart,
+because NCCL runs one batch as one group, and a group holding a send of phase ``t`` and a receive of phase
+``t + 1`` can wait on the receive before the send goes out, while the neighbour waits on that send.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import List, Sequence, Tuple, Union
 
 
 class ActionKind(str, Enum):
@@ -58,11 +63,16 @@ _SHORT = {
 
 @dataclass(frozen=True, repr=False)
 class Action:
-    """One step of a schedule: ``kind`` applied to ``microbatch`` on model chunk ``chunk`` of this rank."""
+    """One step of a schedule: ``kind`` applied to ``microbatch`` on model chunk ``chunk`` of this rank.
+
+    ``phase``: for communication actions, the communication phase of the schedule (-1 when unset); it only
+    decides how actions are batched, so it takes no part in equality.
+    """
 
     kind: ActionKind
     microbatch: int
     chunk: int = 0
+    phase: int = field(default=-1, compare=False)
 
     def __str__(self) -> str:
         return f"{_SHORT[self.kind]}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
@@ -70,3 +80,19 @@ class Action:
     def __repr__(self) -> str:
         return f"Action({self.kind.value}, mb={self.microbatch}, chunk={self.chunk})"
 
+
+
+def steps(actions: Sequence[Action]) -> List[Tuple[str, Union[Action, List[Action]]]]:
+    """Split one rank's actions into ``("compute", action)`` and ``("batch", [communication actions])``.
+
+    A batch is a run of consecutive communication actions of one phase.
+    """
+    out: List[Tuple[str, Union[Action, List[Action]]]] = []
+    for a in actions:
+        if a.kind.is_compute:
+            out.append(("compute", a))
+        elif out and out[-1][0] == "batch" and out[-1][1][-1].phase == a.phase:
+            out[-1][1].append(a)
+        else:
+            out.append(("batch", [a]))
+    return out

@@ -2,9 +2,9 @@
 
 The executor keeps four small tables keyed by ``(microbatch, chunk)``: received inputs, outputs (the loss
 on the last stage), received output gradients and computed input gradients. Compute actions read and fill
-them; each run of consecutive communication actions becomes one ``P2PCommunicator.exchange`` batch. Once an
-output has been sent, its storage is freed (``deallocate_output``); its autograd graph stays until the
-microbatch's backward.
+them; each batch of ``actions.steps`` (consecutive communication actions of one phase) becomes one
+``P2PCommunicator.exchange``. Once an output has been sent, its storage is freed (``deallocate_output``); its
+autograd graph stays until the microbatch's backward.
 
 Data-parallel gradient synchronisation: every chunk's ``no_sync`` context is entered before the first
 action and left just before that chunk's last backward, so the data-parallel wrapper only reduces during
@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.core.pipeline_parallel.actions import Action, ActionKind
+from megatron.core.pipeline_parallel.actions import Action, ActionKind, steps
 from megatron.core.pipeline_parallel.microbatch import (
     backward_step, deallocate_output, first_and_last_stage, forward_step,
 )
@@ -127,16 +127,13 @@ def run_actions(
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     try:
         with grad_ctx:
-            i = 0
-            while i < len(actions):
-                a = actions[i]
-                if not a.kind.is_compute:
-                    j = i
-                    while j < len(actions) and not actions[j].kind.is_compute:
-                        j += 1
-                    communicate(list(actions[i:j]))
-                    i = j
+            i = 0  # index in ``actions`` of the step's first action
+            for step, what in steps(actions):
+                if step == "batch":
+                    communicate(what)
+                    i += len(what)
                     continue
+                a = what
                 sync.before(i)
                 key = (a.microbatch, a.chunk)
                 is_first, is_last = stages[a.chunk]

@@ -4,7 +4,9 @@ Every tensor crossing a stage boundary has the same shape, ``[s, b, h]`` (``[s/t
 parallelism, where each tensor-parallel rank holds a slice of the sequence) and the same dtype, so the
 receiver allocates its buffers without any shape handshake. One call to ``P2PCommunicator.exchange`` posts
 a whole batch of sends and receives with ``torch.distributed.batch_isend_irecv`` and waits for all of them:
-batching lets two neighbours send to each other at the same time without deadlocking, on gloo and NCCL.
+batching lets two neighbours send to each other at the same time without deadlocking, on gloo and NCCL,
+as long as each posts the operations that match the other's batch in one batch of its own (a schedule
+phase: ``actions.steps``).
 
 Peers are *global* ranks (``pstate.next_pp_rank`` / ``pstate.prev_pp_rank``); the ops run on
 ``pstate.pp_group``. With gloo tensors travel through host memory; with NCCL on the current CUDA device.

@@ -203,12 +203,12 @@ def _place_communication(
             stage = _stage(pp_size, r, a.chunk)
             if a.kind is ActionKind.FORWARD and stage < num_stages - 1:
                 dst, dst_chunk = _rank_chunk(pp_size, stage + 1)
-                sends[r].append(Action(ActionKind.SEND_FORWARD, a.microbatch, a.chunk))
-                recvs[dst].append(Action(ActionKind.RECV_FORWARD, a.microbatch, dst_chunk))
+                sends[r].append(Action(ActionKind.SEND_FORWARD, a.microbatch, a.chunk, phase=tick))
+                recvs[dst].append(Action(ActionKind.RECV_FORWARD, a.microbatch, dst_chunk, phase=tick))
             elif a.kind is ActionKind.BACKWARD and stage > 0:
                 dst, dst_chunk = _rank_chunk(pp_size, stage - 1)
-                sends[r].append(Action(ActionKind.SEND_BACKWARD, a.microbatch, a.chunk))
-                recvs[dst].append(Action(ActionKind.RECV_BACKWARD, a.microbatch, dst_chunk))
+                sends[r].append(Action(ActionKind.SEND_BACKWARD, a.microbatch, a.chunk, phase=tick))
+                recvs[dst].append(Action(ActionKind.RECV_BACKWARD, a.microbatch, dst_chunk, phase=tick))
         for r in range(pp_size):
             plans[r] += sends[r] + recvs[r]
             arrived.update((a.kind, a.microbatch, r, a.chunk) for a in recvs[r])

@@ -5,13 +5,18 @@ backend may have: a batch of sends/receives completes only once every op in it h
 peer's op (rendezvous), messages between two ranks match in posting order, and a rank runs nothing while
 its batch is pending. Completing without deadlock, with every message arriving where it is expected, is
 what the executor needs on gloo and NCCL.
+
+``execute_grouped`` adds NCCL's model of a batch: one group, whose operations may progress in any order, so
+it completes only together with the peers' batches that hold every matching operation, all posted at the
+same time. A rank that merged a send of one phase with a receive of a later phase deadlocks there (it did
+on two H200s before batches were split by phase).
 """
 
 from collections import defaultdict
 
 import pytest
 
-from megatron.core.pipeline_parallel.actions import Action, ActionKind as K
+from megatron.core.pipeline_parallel.actions import Action, ActionKind as K, steps
 from megatron.core.pipeline_parallel.schedules import (
     build_schedule, compute_order, interleaved_schedule, num_warmup_microbatches, one_f_one_b_schedule,
 )
@@ -30,19 +35,8 @@ def _message(pp, rank, a):
 
 
 def _programs(plans):
-    """Split each action list into ('compute', action) and ('batch', [comm actions]) steps."""
-    progs = []
-    for plan in plans:
-        prog = []
-        for a in plan:
-            if a.kind.is_compute:
-                prog.append(("compute", a))
-            elif prog and prog[-1][0] == "batch":
-                prog[-1][1].append(a)
-            else:
-                prog.append(("batch", [a]))
-        progs.append(prog)
-    return progs
+    """Each action list as the executor runs it: ('compute', action) and ('batch', [comm actions]) steps."""
+    return [steps(plan) for plan in plans]
 
 
 def execute_all(pp, num_microbatches, num_chunks, forward_only):
@@ -102,6 +96,50 @@ def execute_all(pp, num_microbatches, num_chunks, forward_only):
         other = ("recv" if key[0] == "send" else "send", key[1], key[2])
         assert msgs == posted[other], f"{key}: {msgs} vs {posted[other]}"
     return plans
+
+
+def execute_grouped(pp, num_microbatches, num_chunks, forward_only):
+    """Play all ranks with NCCL group semantics; assert that every batch completes."""
+    progs = _programs([build_schedule(pp, r, num_microbatches, num_chunks, forward_only) for r in range(pp)])
+    pc = [0] * pp
+    count = defaultdict(int)  # (direction, src, dst) -> operations posted so far
+    pending = [None] * pp  # rank -> set of (direction, src, dst, index) of its posted batch
+    while any(pc[r] < len(progs[r]) for r in range(pp)):
+        progress = False
+        for r in range(pp):
+            while pc[r] < len(progs[r]) and progs[r][pc[r]][0] == "compute":
+                pc[r] += 1
+                progress = True
+            if pc[r] < len(progs[r]) and pending[r] is None:
+                pending[r] = set()
+                for a in progs[r][pc[r]][1]:
+                    peer, _ = _message(pp, r, a)
+                    key = ("send", r, peer) if a.kind.is_send else ("recv", peer, r)
+                    pending[r].add((*key, count[key]))
+                    count[key] += 1
+                progress = True
+        live = {r for r in range(pp) if pending[r] is not None}
+        while True:  # drop batches with an operation whose match is not posted in a live batch
+            posted = set().union(*(pending[r] for r in live))
+            stuck = {r for r in live if any(("recv" if d == "send" else "send", s, t, i) not in posted
+                                            for d, s, t, i in pending[r])}
+            if not stuck:
+                break
+            live -= stuck
+        for r in live:
+            pending[r] = None
+            pc[r] += 1
+            progress = True
+        assert progress, f"deadlock under group semantics: {[progs[r][pc[r]] if pc[r] < len(progs[r]) else '-' for r in range(pp)]}"
+
+
+@pytest.mark.parametrize("pp,num_chunks", [(2, 1), (4, 1), (2, 2), (4, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_batches_complete_as_nccl_groups(pp, num_chunks, forward_only):
+    for num_microbatches in range(1, 9):
+        if num_chunks > 1 and num_microbatches % pp:
+            continue
+        execute_grouped(pp, num_microbatches, num_chunks, forward_only)
 
 
 def _check_rank(plan, pp, rank, num_microbatches, num_chunks, forward_only):
