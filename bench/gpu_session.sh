@@ -9,13 +9,16 @@
 #                                                   memory trade, one side table per setting: ~4 min
 #   bash bench/gpu_session.sh check [RESULTS_DIR]   a quick look after a change: the kernel, FP8 and optimizer GPU
 #                                                   tests, then ours (bf16) at both shapes without peers: ~2 min
+#   bash bench/gpu_session.sh multi [RESULTS_DIR]   needs 2 GPUs: the NCCL tests (TP, PP, and pretrain_gpt.py under
+#                                                   torchrun in every layout against one GPU) and bench/multi_gpu.py
+#                                                   (1.3B on 1 GPU, DP2, TP2+SP, PP2): ~5 min
 #   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm and FP8-cast launch sweeps; the best
 #                                                   configurations are written into megatron/core/fusions/
 #                                                   _triton_layer_norm.py and _triton_fp8.py (commit them)
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?tests, table, recompute, check or sweep}
+what=${1:?tests, table, recompute, check, multi or sweep}
 R=${2:-bench/results}
 mkdir -p "$R/logs"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -27,7 +30,8 @@ case "$what" in
   table)
     python bench/gpu_throughput.py --iters 10 --warmup 5 --results-dir "$R" --log-dir "$R/logs" \
         --ours-shape-args "1.3b:--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12" \
-        --ours-shape-args "124m:--enable-cuda-graph" --ours-fp8-shape-args "124m:--enable-cuda-graph" | grep "^|" ;;
+        --ours-shape-args "124m:--enable-cuda-graph" --ours-fp8-shape-args "124m:--enable-cuda-graph" \
+        --ours-fp8-shape-args "1.3b:--enable-cuda-graph" | grep "^|" ;;
   recompute)
     for spec in "none:" "sel_both:--recompute-granularity selective" \
                 "sel_mlp_act:--recompute-granularity selective --recompute-modules mlp_act" \
@@ -42,8 +46,13 @@ case "$what" in
     python bench/gpu_throughput.py --trainers ours --iters 8 --warmup 4 --results-dir "$R" --log-dir "$R/logs" \
         --tag check --ours-shape-args "1.3b:--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12" \
         --ours-shape-args "124m:--enable-cuda-graph" | grep "^| ours" ;;
+  multi)
+    export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    python bench/multi_gpu.py --results-dir "$R" | grep -E "^\|"
+    python -m pytest -q tests/unit/tensor_parallel/test_tp_nccl.py tests/unit/pipeline_parallel/test_pp_nccl.py \
+        tests/gpu/test_multi_gpu_training.py 2>&1 | tee "$R/gpu_tests_multi_gpu.log" | tail -3 ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --apply-layer-norm --out "$R/kernel_sweep_ln.json" | tail -3
     python bench/kernel_sweep.py --only fp8 --apply-fp8 --out "$R/kernel_sweep_fp8.json" | tail -3 ;;
-  *) echo "unknown step $what (tests, table, recompute, check or sweep)" >&2; exit 2 ;;
+  *) echo "unknown step $what (tests, table, recompute, check, multi or sweep)" >&2; exit 2 ;;
 esac
