@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gpu_throughput import OURS_BASE_ARGS, SHAPES, environment, mfu, parse_ours_log, prepare_dataset  # noqa: E402
+from gpu_throughput import SHAPES, environment, mfu, ours_args, parse_ours_log, prepare_dataset  # noqa: E402
 
 SHAPES = dict(SHAPES, tiny=dict(num_layers=4, hidden_size=64, num_heads=4, seq_length=128, micro_batch_size=4))
 RECOMPUTE_1_3B = "--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12"
@@ -61,18 +61,12 @@ def parse_layout(spec: str) -> dict:
 
 
 def command(shape: dict, layout: dict, iters: int, warmup: int, data_prefix: str) -> list:
-    s = shape
-    args = (f"--num-layers {s['num_layers']} --hidden-size {s['hidden_size']} --num-attention-heads {s['num_heads']} "
-            f"--seq-length {s['seq_length']} --max-position-embeddings {s['seq_length']} "
-            f"--micro-batch-size {layout['micro']} --global-batch-size {layout['global_batch']} "
-            f"--train-iters {iters + warmup} --data-path {data_prefix} "
-            f"--vocab-file {os.path.join(ROOT, 'data', 'gpt2-vocab.json')} "
-            f"--merge-file {os.path.join(ROOT, 'data', 'gpt2-merges.txt')} {OURS_BASE_ARGS} {layout['flags']}")
     launcher = [sys.executable]
     if layout["nproc"] > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(layout["nproc"])]
     return launcher + [os.path.join(ROOT, "bench", "gpu_throughput.py"), "--run-ours", "--",
-                       os.path.join(ROOT, "pretrain_gpt.py")] + shlex.split(args)
+                       os.path.join(ROOT, "pretrain_gpt.py")] + ours_args(
+        shape, iters, warmup, data_prefix, layout["flags"], layout["micro"], layout["global_batch"])
 
 
 def run_layout(shape_name: str, layout: dict, iters: int, warmup: int, data_prefix: str, log_dir: str) -> dict:
