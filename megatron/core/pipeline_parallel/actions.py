@@ -81,7 +81,6 @@ class Action:
         return f"Action({self.kind.value}, mb={self.microbatch}, chunk={self.chunk})"
 
 
-
 def steps(actions: Sequence[Action]) -> List[Tuple[str, Union[Action, List[Action]]]]:
     """Split one rank's actions into ``("compute", action)`` and ``("batch", [communication actions])``.
 
