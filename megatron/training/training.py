@@ -190,12 +190,17 @@ class Trainer:
         tokens_per_iter = a.global_batch_size * a.seq_length
         window_time, window_iters, window_losses = 0.0, 0, {}
         history, total_train_time, exited, n_run = [], 0.0, None, 0
+        # An iteration's time runs from the end of the previous one, so the loop's own work (logging, the
+        # checks below) counts, as in Megatron's interval timer; evaluation and checkpointing do not.
+        t_end = None
         while self.iteration < a.train_iters:
-            _sync()
-            t0 = time.time()
+            if t_end is None:
+                _sync()
+                t_end = time.time()
             losses, ok, grad_norm = self.train_step()
             _sync()
-            dt = time.time() - t0
+            now = time.time()
+            dt, t_end = now - t_end, now
             self.iteration += 1
             n_run += 1
             self.consumed_train_samples += a.global_batch_size
@@ -229,8 +234,10 @@ class Trainer:
                 })
             if a.eval_interval and self.iteration % a.eval_interval == 0 and self.iteration < a.train_iters:
                 self.evaluate("valid", "validation")
+                t_end = None
             if a.save_interval and self.iteration % a.save_interval == 0:
                 self.save()
+                t_end = None
             if a.exit_interval and self.iteration % a.exit_interval == 0:
                 exited = "exit-interval"
             elif self._should_exit_for_time(start_time):
