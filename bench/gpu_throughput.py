@@ -170,9 +170,12 @@ def parse_ours_log(text: str, warmup: int) -> dict:
     ms = sum(t[1] for t in timed) / len(timed)
     tfl = [t[2] for t in timed if t[2] is not None]
     peak = re.findall(r"BENCH_PEAK_MEM_BYTES\s+(\d+)", text)
+    replay = re.findall(r"BENCH_GRAPH_REPLAY_MS ([0-9. ]+)", text)
+    # one replay per iteration after the eager warm-up steps: the last len(timed) are the averaged iterations
+    replay_ms = [float(x) for x in replay[-1].split()][-len(timed):] if replay else []
     return {"ms_per_iter": ms, "log_tflops": sum(tfl) / len(tfl) if tfl else None,
             "peak_mem_gib": int(peak[-1]) / 2**30 if peak else None,
-            "losses": [t[3] for t in iters], "iter_ms": [t[1] for t in timed]}
+            "losses": [t[3] for t in iters], "iter_ms": [t[1] for t in timed], "replay_ms": replay_ms}
 
 
 def run_ours_wrapper(argv: list) -> None:
@@ -186,11 +189,28 @@ def run_ours_wrapper(argv: list) -> None:
 
     import torch
 
+    replays = []  # (start, end) CUDA events around each CUDA-graph replay (--enable-cuda-graph)
+
     def _report():
         if torch.cuda.is_available():
             print(f"BENCH_PEAK_MEM_BYTES {torch.cuda.max_memory_allocated()}", flush=True)
+        if replays:  # the GPU time of each replay, to set against the logged iteration time
+            torch.cuda.synchronize()
+            ms = [start.elapsed_time(end) for start, end in replays]
+            print("BENCH_GRAPH_REPLAY_MS " + " ".join(f"{t:.3f}" for t in ms), flush=True)
 
     atexit.register(_report)
+    if torch.cuda.is_available():
+        replay = torch.cuda.CUDAGraph.replay
+
+        def timed_replay(graph):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay(graph)
+            end.record()
+            replays.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = timed_replay
     prof_spec = os.environ.get("BENCH_PROFILE")
     if prof_spec:
         from megatron.training import training as training_mod
@@ -295,6 +315,14 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
         md += ["", "Our trainer's averaged iterations, one by one (ms), and their median:", ""]
         md += [f"- {key}: {' '.join(f'{t:.1f}' for t in times)} (median {statistics.median(times):.1f})"
                for key, times in iter_ms.items() if times]
+    replay_ms = extras.get("replay_ms", {})
+    if replay_ms:  # under --enable-cuda-graph: what of the iteration the GPU spends in the graph
+        md += ["", "GPU time of each CUDA-graph replay (ms, CUDA events around `replay()`), its median, and the "
+               "median iteration's time outside it:", ""]
+        for key, times in replay_ms.items():
+            rest = statistics.median(iter_ms.get(key) or [float("nan")]) - statistics.median(times)
+            md.append(f"- {key}: {' '.join(f'{t:.2f}' for t in times)} (median {statistics.median(times):.2f}; "
+                      f"outside the graph {rest:.2f})")
     md += ["", "Per-row commands:", ""] + [f"- {r['trainer']} {r['num_layers']}x{r['hidden_size']}: `{r['command']}`"
                                            for r in rows]
     with open(path_json[:-5] + ".md", "w") as f:
@@ -306,7 +334,8 @@ def assemble(paths: list, results_dir: str) -> None:
 
     Each row keeps its own exact command; the sources (file, date, command) are listed in the output.
     """
-    rows, extras, sources = {}, {"log_tflops": {}, "losses": {}, "iter_ms": {}, "errors": {}, "row_sources": {}}, []
+    rows, extras, sources = {}, {"log_tflops": {}, "losses": {}, "iter_ms": {}, "replay_ms": {}, "errors": {},
+                                 "row_sources": {}}, []
     env = None
     for path in paths:
         with open(path) as f:
@@ -317,7 +346,7 @@ def assemble(paths: list, results_dir: str) -> None:
             key = f"{r['trainer']}/{r['num_layers']}x{r['hidden_size']}"
             rows[key] = r
             extras["row_sources"][key] = f"{os.path.basename(path)} ({d['date']})"
-            for k in ("log_tflops", "losses", "iter_ms"):
+            for k in ("log_tflops", "losses", "iter_ms", "replay_ms"):
                 if key in d.get("extras", {}).get(k, {}):
                     extras[k][key] = d["extras"][k][key]
     order = {t: i for i, t in enumerate(TRAINERS)}
@@ -393,7 +422,7 @@ def main() -> None:
             "env": environment(), "command": command}
     os.makedirs(a.results_dir, exist_ok=True)
     out_json = os.path.join(a.results_dir, f"gpu_throughput{'_' + a.tag if a.tag else ''}.json")
-    rows, extras = [], {"log_tflops": {}, "losses": {}, "iter_ms": {}, "errors": {}}
+    rows, extras = [], {"log_tflops": {}, "losses": {}, "iter_ms": {}, "replay_ms": {}, "errors": {}}
     data_prefix = a.data_prefix
     workdir = tempfile.mkdtemp(prefix="bench_data_")
     for shape_name in shapes:
@@ -417,6 +446,8 @@ def main() -> None:
                     extras["log_tflops"][key] = res["log_tflops"]
                     extras["losses"][key] = res["losses"]
                     extras["iter_ms"][key] = res["iter_ms"]
+                    if res["replay_ms"]:
+                        extras["replay_ms"][key] = res["replay_ms"]
                 else:
                     argv = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "--shape", shape_name,
                             "--iters", str(a.iters), "--warmup", str(a.warmup)]
