@@ -14,13 +14,16 @@ def test_bf16_trains_and_tracks_fp32(data_prefix, baseline):
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 
-@pytest.mark.parametrize("fmt,tp,pp", [("hybrid", 1, 1), ("e4m3", 1, 1), ("hybrid", 2, 1), ("hybrid", 1, 2)],
-                         ids=["hybrid", "e4m3", "hybrid-tp2-sp", "hybrid-pp2"])
-def test_fp8_trains_and_tracks_bf16(data_prefix, fmt, tp, pp):
+@pytest.mark.parametrize("fmt,tp,pp,dp", [("hybrid", 1, 1, 1), ("e4m3", 1, 1, 1), ("hybrid", 2, 1, 1),
+                                           ("hybrid", 1, 2, 1), ("hybrid", 1, 1, 2)],
+                         ids=["hybrid", "e4m3", "hybrid-tp2-sp", "hybrid-pp2", "hybrid-dp2-distopt-overlap"])
+def test_fp8_trains_and_tracks_bf16(data_prefix, fmt, tp, pp, dp):
     bf16 = losses(gpt_args(data_prefix, bf16=True))  # single-process bf16 reference
     extra = {"sequence_parallel": True} if tp > 1 else {}
+    if dp > 1:  # the FP8 weight gradients go into main_grad, which the buckets reduce-scatter as they fill
+        extra.update(use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size=20000)
     run = losses(gpt_args(data_prefix, tp=tp, bf16=True, fp8_format=fmt, pipeline_model_parallel_size=pp, **extra),
-                 nproc=tp * pp)
+                 nproc=tp * pp * dp)
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
     for it in run:  # FP8 GEMMs (3 or 2 mantissa bits) on top of bf16 stay close to the bf16 curve
         assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < 0.05, it
