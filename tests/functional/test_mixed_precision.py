@@ -1,5 +1,5 @@
-"""bf16, FP8 and fp16 training through pretrain_gpt.py on CPU: the loss falls; FP8 tracks bf16 (also under TP+SP, PP2, DP2);
-fp16 overflows skip and halve the scale."""
+"""bf16, FP8 and fp16 training through pretrain_gpt.py on CPU: the loss falls; FP8 tracks bf16 (also under
+TP+SP, PP2, DP2); fp16 overflows skip and halve the scale."""
 
 import pytest
 
