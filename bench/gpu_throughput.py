@@ -132,9 +132,10 @@ def prepare_dataset(workdir: str) -> str:
     return prefix
 
 
-def ours_args(shape: dict, iters: int, warmup: int, data_prefix: str, extra: str, micro_batch: int = 0,
-              global_batch: int = 0) -> list:
-    """pretrain_gpt.py's flags for a shape (micro and global batch default to the shape's micro-batch)."""
+def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, extra: str, micro_batch: int = 0,
+                 global_batch: int = 0) -> list:
+    """``python gpu_throughput.py --run-ours -- pretrain_gpt.py FLAGS`` for a shape (micro and global batch
+    default to the shape's micro-batch)."""
     s = shape
     micro = micro_batch or s["micro_batch_size"]
     args = (f"--num-layers {s['num_layers']} --hidden-size {s['hidden_size']} --num-attention-heads {s['num_heads']} "
@@ -143,12 +144,8 @@ def ours_args(shape: dict, iters: int, warmup: int, data_prefix: str, extra: str
             f"--train-iters {iters + warmup} --data-path {data_prefix} "
             f"--vocab-file {os.path.join(ROOT, 'data', 'gpt2-vocab.json')} "
             f"--merge-file {os.path.join(ROOT, 'data', 'gpt2-merges.txt')} {OURS_BASE_ARGS} {extra}")
-    return shlex.split(args)
-
-
-def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, extra: str) -> list:
     return [sys.executable, os.path.join(ROOT, "bench", "gpu_throughput.py"), "--run-ours", "--",
-            os.path.join(ROOT, "pretrain_gpt.py")] + ours_args(shape, iters, warmup, data_prefix, extra)
+            os.path.join(ROOT, "pretrain_gpt.py")] + shlex.split(args)
 
 
 ITER_RE = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+).*?elapsed time per iteration \(ms\):\s*([0-9.]+)"

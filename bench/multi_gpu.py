@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gpu_throughput import SHAPES, environment, mfu, ours_args, parse_ours_log, prepare_dataset  # noqa: E402
+from gpu_throughput import SHAPES, environment, mfu, ours_command, parse_ours_log, prepare_dataset  # noqa: E402
 
 SHAPES = dict(SHAPES, tiny=dict(num_layers=4, hidden_size=64, num_heads=4, seq_length=128, micro_batch_size=4))
 RECOMPUTE_1_3B = "--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12"
@@ -61,12 +61,11 @@ def parse_layout(spec: str) -> dict:
 
 
 def command(shape: dict, layout: dict, iters: int, warmup: int, data_prefix: str) -> list:
-    launcher = [sys.executable]
+    """``ours_command`` of gpu_throughput.py, under torchrun when the layout has several processes."""
+    cmd = ours_command(shape, iters, warmup, data_prefix, layout["flags"], layout["micro"], layout["global_batch"])
     if layout["nproc"] > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(layout["nproc"])]
-    return launcher + [os.path.join(ROOT, "bench", "gpu_throughput.py"), "--run-ours", "--",
-                       os.path.join(ROOT, "pretrain_gpt.py")] + ours_args(
-        shape, iters, warmup, data_prefix, layout["flags"], layout["micro"], layout["global_batch"])
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(layout["nproc"])]
+    return cmd
 
 
 def run_layout(shape_name: str, layout: dict, iters: int, warmup: int, data_prefix: str, log_dir: str) -> dict:
