@@ -8,7 +8,8 @@ microbatch (the same schedule function as the eager step), the gradient norm, cl
 
 What stays on the host, outside the graph:
 
-* the data loader: each step's microbatches are copied into static device buffers the graph reads;
+* the data loader: each step's microbatches are copied into static device buffers the graph reads; the host
+  fetches them from the loader during the previous step's replay, so the GPU does not wait for it;
 * the learning-rate schedule: the scheduler writes Python floats as usual; before each replay they are copied
   into the device tensors the captured optimizer reads;
 * logging: the loss statistics and the grad norm are static device tensors read after the replay.
@@ -66,12 +67,22 @@ class FullIterationCudaGraph:
         self.static_batches: List[Dict[str, torch.Tensor]] = []
         self.lr_tensors: List[torch.Tensor] = []
         self.outputs: Optional[tuple] = None
+        self.prefetched: Optional[List[Dict[str, torch.Tensor]]] = None
 
     # ---- data -------------------------------------------------------------------------------------------
+    def _fetch(self) -> Optional[List[Dict[str, torch.Tensor]]]:
+        """The next step's microbatches from the loader (host work only), or None once it is exhausted."""
+        try:
+            return [next(self.data_iterator) for _ in range(self.num_microbatches)]
+        except StopIteration:
+            return None
+
     def _load_batches(self) -> None:
-        """Copy this step's microbatches (from the real loader) into the static device buffers."""
-        for i in range(self.num_microbatches):
-            batch = next(self.data_iterator)
+        """Copy this step's microbatches (fetched during the previous replay, else now) into the static buffers."""
+        batches, self.prefetched = self.prefetched, None
+        if batches is None:
+            batches = [next(self.data_iterator) for _ in range(self.num_microbatches)]
+        for i, batch in enumerate(batches):
             if i == len(self.static_batches):
                 self.static_batches.append({k: torch.empty(v.shape, dtype=v.dtype, device=self.device)
                                             for k, v in batch.items()})
@@ -121,6 +132,7 @@ class FullIterationCudaGraph:
             self._capture()
         self._load_lr()
         self.graph.replay()
+        self.prefetched = self._fetch()  # the host fetches the next step's batches while the GPU replays
         stats, found_inf, grad_norm = self.outputs
         norm = float(grad_norm.item())
         return stats, not bool(found_inf.item()), norm
