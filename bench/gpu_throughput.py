@@ -175,11 +175,44 @@ def parse_ours_log(text: str, warmup: int) -> dict:
             "losses": [t[3] for t in iters], "iter_ms": [t[1] for t in timed], "replay_ms": replay_ms}
 
 
+def gpu_timeline_summary(trace_path: str, iterations: int) -> str:
+    """Busy and idle GPU time in a Chrome trace: kernels, memsets and copies merged into busy intervals.
+
+    Splits the idle time into gaps shorter than 20 us (between kernels that follow each other, e.g. inside a CUDA
+    graph) and longer ones (the GPU waiting for the host), per recorded iteration.
+    """
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    if not spans:
+        return "BENCH_TIMELINE no GPU activity in the trace"
+    busy, short_gaps, long_gaps, n_long = 0.0, 0.0, 0.0, 0
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            gap = s - end
+            if gap < 20.0:
+                short_gaps += gap
+            else:
+                long_gaps, n_long = long_gaps + gap, n_long + 1
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    n = max(1, iterations)
+    return (f"BENCH_TIMELINE per iteration: {len(spans) / n:.0f} GPU activities, busy {busy / n / 1e3:.3f} ms, "
+            f"gaps < 20 us {short_gaps / n / 1e3:.3f} ms, longer gaps {long_gaps / n / 1e3:.3f} ms "
+            f"({n_long / n:.1f}), span {(spans[-1][1] - spans[0][0]) / n / 1e3:.3f} ms")
+
+
 def run_ours_wrapper(argv: list) -> None:
     """Run pretrain_gpt.py in this process and print its peak allocated memory at exit.
 
     With BENCH_PROFILE=start:count, iterations [start, start+count) of Trainer.train_step are recorded with
-    torch.profiler and a kernel table plus a Chrome trace are written to BENCH_PROFILE_DIR.
+    torch.profiler and a kernel table plus a Chrome trace are written to BENCH_PROFILE_DIR, and the GPU timeline's
+    busy time and gaps per iteration are printed (``BENCH_TIMELINE``).
     """
     import atexit
     import runpy
@@ -235,6 +268,9 @@ def run_ours_wrapper(argv: list) -> None:
                 with open(os.path.join(out_dir, f"profile_ours_L{layers}.txt"), "w") as f:
                     f.write(table)
                 print(table, flush=True)
+                trace = os.path.join(out_dir, f"trace_ours_L{layers}.json")
+                prof.export_chrome_trace(trace)
+                print(gpu_timeline_summary(trace, count), flush=True)
             return out
 
         training_mod.Trainer.train_step = train_step

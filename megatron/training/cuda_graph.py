@@ -9,10 +9,13 @@ microbatch (the same schedule function as the eager step), the gradient norm, cl
 What stays on the host, outside the graph:
 
 * the data loader: each step's microbatches are copied into static device buffers the graph reads; the host
-  fetches them from the loader during the previous step's replay, so the GPU does not wait for it;
+  fetches them from the loader (and pins them) while the previous step's replay runs, so the GPU does not wait
+  for the loader;
 * the learning-rate schedule: the scheduler writes Python floats as usual; before each replay they are copied
   into the device tensors the captured optimizer reads;
-* logging: the loss statistics and the grad norm are static device tensors read after the replay.
+* logging: the graph ends by averaging each loss statistic over the microbatches and packing those means,
+  ``found_inf`` and the grad norm into one small tensor; one asynchronous copy brings it to pinned host memory,
+  the only read-back of a step.
 
 The first ``warmup_steps`` iterations run eagerly on a side stream (cuBLAS/cuDNN/Triton/torch.compile warm up and
 allocate there), the next one is captured and replayed, and every later one is only replayed. A skipped update
@@ -66,16 +69,20 @@ class FullIterationCudaGraph:
         self.stream = torch.cuda.Stream(device=device)
         self.static_batches: List[Dict[str, torch.Tensor]] = []
         self.lr_tensors: List[torch.Tensor] = []
-        self.outputs: Optional[tuple] = None
+        self.keys: List[str] = []  # the loss statistics, in the order of the packed outputs
+        self.packed: Optional[torch.Tensor] = None  # [means of the keys..., found_inf, grad_norm] on the device
+        self.packed_host: Optional[torch.Tensor] = None  # its pinned host copy
+        self.copied = torch.cuda.Event()
         self.prefetched: Optional[List[Dict[str, torch.Tensor]]] = None
 
     # ---- data -------------------------------------------------------------------------------------------
     def _fetch(self) -> Optional[List[Dict[str, torch.Tensor]]]:
         """The next step's microbatches from the loader (host work only), or None once it is exhausted."""
         try:
-            return [next(self.data_iterator) for _ in range(self.num_microbatches)]
+            batches = [next(self.data_iterator) for _ in range(self.num_microbatches)]
         except StopIteration:
             return None
+        return [{k: v.pin_memory() for k, v in batch.items()} for batch in batches]  # copied asynchronously
 
     def _load_batches(self) -> None:
         """Copy this step's microbatches (fetched during the previous replay, else now) into the static buffers."""
@@ -117,13 +124,17 @@ class FullIterationCudaGraph:
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph, stream=self.stream):
-                self.outputs = self.captured_body(_StaticBatches(self.static_batches))
+                stats, found_inf, grad_norm = self.captured_body(_StaticBatches(self.static_batches))
+                self.keys = list(stats[0]) if stats else []
+                means = [torch.stack([s[k].detach().float().reshape(()) for s in stats]).mean() for k in self.keys]
+                self.packed = torch.stack(means + [found_inf.float().reshape(()), grad_norm.float().reshape(())])
+            self.packed_host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
         finally:
             for group, value in zip(groups, floats):
                 group["lr"] = value  # the scheduler and checkpoints keep seeing floats
 
-    def step(self) -> Tuple[list, bool, Optional[float]]:
-        """One training iteration: ``(microbatch stats, update_ok, grad_norm)`` like the eager step."""
+    def step(self) -> Tuple[Dict[str, float], bool, Optional[float]]:
+        """One training iteration: ``(mean loss statistics, update_ok, grad_norm)`` like the eager step."""
         self.steps_run += 1
         if self.steps_run <= self.warmup_steps:
             return self._warmup_step()
@@ -132,7 +143,9 @@ class FullIterationCudaGraph:
             self._capture()
         self._load_lr()
         self.graph.replay()
+        self.packed_host.copy_(self.packed, non_blocking=True)
+        self.copied.record()
         self.prefetched = self._fetch()  # the host fetches the next step's batches while the GPU replays
-        stats, found_inf, grad_norm = self.outputs
-        norm = float(grad_norm.item())
-        return stats, not bool(found_inf.item()), norm
+        self.copied.synchronize()
+        *means, found_inf, grad_norm = self.packed_host.tolist()
+        return dict(zip(self.keys, means)), found_inf == 0.0, grad_norm

@@ -119,7 +119,7 @@ class Trainer:
         self.optimizer.zero_grad()  # zeroes every chunk's grad buffer
         stats = self._schedule(self.iterators["train"], forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        return stats, ok, grad_norm
+        return self._reduce_losses(stats), ok, grad_norm
 
     def _captured_step_body(self, static_iterator) -> tuple:
         """One step's GPU work with no host synchronisation (what ``--enable-cuda-graph`` captures)."""
@@ -137,12 +137,12 @@ class Trainer:
                     self.iterators["train"][0], self.args.num_microbatches, self._eager_step,
                     self._captured_step_body, self.optimizer.optimizer, self.args.cuda_graph_warmup_steps,
                     torch.device("cuda", torch.cuda.current_device()))
-            stats, ok, grad_norm = self.cuda_graph.step()
+            losses, ok, grad_norm = self.cuda_graph.step()
         else:
-            stats, ok, grad_norm = self._eager_step()
+            losses, ok, grad_norm = self._eager_step()
         if ok:
             self.scheduler.step(1)
-        return self._reduce_losses(stats), ok, grad_norm
+        return losses, ok, grad_norm
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, split: str, label: str) -> Optional[dict]:
