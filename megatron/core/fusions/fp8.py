@@ -38,6 +38,7 @@ from megatron.core.fusions.main_grad import mark_added_to_main_grad
 from megatron.core.fusions.ops import bias_gelu_reference, bias_grad
 
 try:
+    from megatron.core.fusions._triton_fp8 import quantize as _triton_quantize
     from megatron.core.fusions._triton_fp8 import scaled_cast as _triton_scaled_cast
     from megatron.core.fusions._triton_fp8 import scales as _triton_scales
 
@@ -87,9 +88,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool =
     """
     x = x.contiguous()  # the Triton kernels index a dense row-major tensor (a no-op for every caller here)
     if HAVE_TRITON and x.is_cuda:
-        scale, scale_inv = _triton_scales(x, dtype, margin, gelu=gelu, bias=bias)
-        q, qt = _triton_scaled_cast(x, scale, dtype, transpose, rows=rows, gelu=gelu, bias=bias)
-        return q, qt, scale_inv
+        return _triton_quantize(x, dtype, margin, transpose, rows=rows, gelu=gelu, bias=bias)
     if gelu:
         x = bias_gelu_reference(x, bias)
     scale, scale_inv = scales(x, dtype, margin)
