@@ -210,7 +210,8 @@ def gpu_timeline_summary(trace_path: str, iterations: int) -> str:
 def run_ours_wrapper(argv: list) -> None:
     """Run pretrain_gpt.py in this process and print its peak allocated memory at exit.
 
-    With BENCH_PROFILE=start:count, iterations [start, start+count) of Trainer.train_step are recorded with
+    With BENCH_PROFILE=start:count, the steps whose results are read as the
+    start-th to (start+count-1)-th (``Trainer.finish_step``) are recorded with
     torch.profiler and a kernel table plus a Chrome trace are written to BENCH_PROFILE_DIR, and the GPU timeline's
     busy time and gaps per iteration are printed (``BENCH_TIMELINE``).
     """
@@ -247,16 +248,16 @@ def run_ours_wrapper(argv: list) -> None:
 
         start, count = (int(x) for x in prof_spec.split(":"))
         out_dir = os.environ.get("BENCH_PROFILE_DIR", ".")
-        original = training_mod.Trainer.train_step
+        original = training_mod.Trainer.finish_step
         state = {"n": 0, "prof": None}
 
-        def train_step(self):
+        def finish_step(self, handle):
             state["n"] += 1
             if state["n"] == start:
                 state["prof"] = torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
                 state["prof"].__enter__()
-            out = original(self)
+            out = original(self, handle)
             if state["prof"] is not None and state["n"] == start + count - 1:
                 torch.cuda.synchronize()
                 prof = state["prof"]
@@ -273,7 +274,7 @@ def run_ours_wrapper(argv: list) -> None:
                 print(gpu_timeline_summary(trace, count), flush=True)
             return out
 
-        training_mod.Trainer.train_step = train_step
+        training_mod.Trainer.finish_step = finish_step
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 

@@ -12,7 +12,7 @@ What stays on the host, outside the graph:
   fetches them from the loader (and pins them) while the previous step's replay runs, so the GPU does not wait
   for the loader;
 * the learning-rate schedule: the scheduler writes Python floats as usual; before each replay they are copied
-  into the device tensors the captured optimizer reads;
+  into the device tensors the captured optimizer reads (see "running ahead" below);
 * logging: the graph ends by averaging each loss statistic over the microbatches and packing those means,
   ``found_inf`` and the grad norm into one small tensor; one asynchronous copy brings it to pinned host memory,
   the only read-back of a step.
@@ -21,6 +21,14 @@ The first ``warmup_steps`` iterations run eagerly on a side stream (cuBLAS/cuDNN
 allocate there), the next one is captured and replayed, and every later one is only replayed. A skipped update
 (non-finite grad norm) is done by the fused AdamW itself (``found_inf``), so nothing in the graph depends on a
 value read back by the host.
+
+Running ahead: a step is ``launch``-ed and later ``finish``-ed (its results read). The trainer launches step
+``n + 1`` before it reads step ``n``'s results whenever nothing has to happen between the two (no evaluation,
+checkpoint or exit after step ``n``), so the GPU replays step ``n + 1`` while the host logs step ``n``. The
+learning rate of step ``n + 1`` depends on whether step ``n`` was skipped (the schedule only advances on
+successful steps), which the host does not know yet: it provides both candidates, and the graph itself picks one
+from the previous replay's ``found_inf`` (``lr = found_inf ? lr_if_skipped : lr_if_ok``), so the schedule is
+exactly that of the eager trainer.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ class _StaticBatches:
 class FullIterationCudaGraph:
     """Runs training steps through one captured CUDA graph.
 
-    ``eager_step()`` is the trainer's ordinary step (returns ``(stats, update_ok, grad_norm)``);
+    ``eager_step()`` is the trainer's ordinary step (returns ``(mean loss statistics, update_ok, grad_norm)``);
     ``captured_body(data_iterator)`` runs one step's GPU work without host synchronisation and returns
     ``(microbatch stats, found_inf, grad_norm)`` as device tensors; ``torch_optimizer`` is the optimizer whose
     ``lr`` the scheduler sets.
@@ -68,12 +76,22 @@ class FullIterationCudaGraph:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.stream = torch.cuda.Stream(device=device)
         self.static_batches: List[Dict[str, torch.Tensor]] = []
+        # the learning rate the captured AdamW reads, and its two candidates (see the module docstring)
         self.lr_tensors: List[torch.Tensor] = []
+        self.lr_if_ok: List[torch.Tensor] = []
+        self.lr_if_skipped: List[torch.Tensor] = []
+        self.last_found_inf = torch.zeros((), dtype=torch.float32, device=device)  # of the latest replay
         self.keys: List[str] = []  # the loss statistics, in the order of the packed outputs
         self.packed: Optional[torch.Tensor] = None  # [means of the keys..., found_inf, grad_norm] on the device
-        self.packed_host: Optional[torch.Tensor] = None  # its pinned host copy
-        self.copied = torch.cuda.Event()
+        # two pinned host copies of it with their events: one for the step being read, one for the step ahead
+        self.packed_host: List[torch.Tensor] = []
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.prefetched: Optional[List[Dict[str, torch.Tensor]]] = None
+
+    @property
+    def replaying(self) -> bool:
+        """True once the graph is captured: every later launch is a replay (and may run ahead)."""
+        return self.graph is not None
 
     # ---- data -------------------------------------------------------------------------------------------
     def _fetch(self) -> Optional[List[Dict[str, torch.Tensor]]]:
@@ -102,9 +120,11 @@ class FullIterationCudaGraph:
                                      f"{tuple(static[k].shape)} {static[k].dtype}, now {tuple(v.shape)} {v.dtype}")
                 static[k].copy_(v, non_blocking=True)
 
-    def _load_lr(self) -> None:
-        for tensor, group in zip(self.lr_tensors, self.torch_optimizer.param_groups):
-            tensor.fill_(float(group["lr"]))
+    def _load_lr(self, lrs_if_ok: List[float], lrs_if_skipped: List[float]) -> None:
+        for tensor, lr in zip(self.lr_if_ok, lrs_if_ok):
+            tensor.fill_(float(lr))
+        for tensor, lr in zip(self.lr_if_skipped, lrs_if_skipped):
+            tensor.fill_(float(lr))
 
     # ---- steps ------------------------------------------------------------------------------------------
     def _warmup_step(self) -> tuple:
@@ -116,7 +136,11 @@ class FullIterationCudaGraph:
 
     def _capture(self) -> None:
         groups = self.torch_optimizer.param_groups
-        self.lr_tensors = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device) for g in groups]
+
+        def scalars():
+            return [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device) for g in groups]
+
+        self.lr_tensors, self.lr_if_ok, self.lr_if_skipped = scalars(), scalars(), scalars()
         floats = [g["lr"] for g in groups]
         for group, tensor in zip(groups, self.lr_tensors):
             group["lr"] = tensor  # the captured fused AdamW reads the learning rate from this tensor
@@ -124,28 +148,46 @@ class FullIterationCudaGraph:
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph, stream=self.stream):
+                skipped = self.last_found_inf > 0
+                for lr, if_ok, if_skipped in zip(self.lr_tensors, self.lr_if_ok, self.lr_if_skipped):
+                    torch.where(skipped, if_skipped, if_ok, out=lr)
                 stats, found_inf, grad_norm = self.captured_body(_StaticBatches(self.static_batches))
+                self.last_found_inf.copy_(found_inf.reshape(()))
                 self.keys = list(stats[0]) if stats else []
                 means = [torch.stack([s[k].detach().float().reshape(()) for s in stats]).mean() for k in self.keys]
                 self.packed = torch.stack(means + [found_inf.float().reshape(()), grad_norm.float().reshape(())])
-            self.packed_host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            self.packed_host = [torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+                                for _ in range(2)]
         finally:
             for group, value in zip(groups, floats):
                 group["lr"] = value  # the scheduler and checkpoints keep seeing floats
 
-    def step(self) -> Tuple[Dict[str, float], bool, Optional[float]]:
-        """One training iteration: ``(mean loss statistics, update_ok, grad_norm)`` like the eager step."""
+    def launch(self, lrs_if_ok: List[float], lrs_if_skipped: List[float]):
+        """Start one training iteration; returns what ``finish`` reads its results from.
+
+        ``lrs_if_ok`` / ``lrs_if_skipped``: each param group's learning rate for this step if the step before it
+        updated / was skipped; equal unless a launched step is still unread. A warm-up step runs eagerly and
+        synchronously (the returned handle holds its results; both lists must then be equal).
+        """
         self.steps_run += 1
         if self.steps_run <= self.warmup_steps:
-            return self._warmup_step()
+            return ("done", self._warmup_step())
         self._load_batches()
         if self.graph is None:
             self._capture()
-        self._load_lr()
+        self._load_lr(lrs_if_ok, lrs_if_skipped)
         self.graph.replay()
-        self.packed_host.copy_(self.packed, non_blocking=True)
-        self.copied.record()
+        slot = self.steps_run % 2
+        self.packed_host[slot].copy_(self.packed, non_blocking=True)
+        self.copied[slot].record()
         self.prefetched = self._fetch()  # the host fetches the next step's batches while the GPU replays
-        self.copied.synchronize()
-        *means, found_inf, grad_norm = self.packed_host.tolist()
+        return ("replay", slot)
+
+    def finish(self, handle) -> Tuple[Dict[str, float], bool, Optional[float]]:
+        """``(mean loss statistics, update_ok, grad_norm)`` of a launched iteration, like the eager step."""
+        kind, value = handle
+        if kind == "done":
+            return value
+        self.copied[value].synchronize()
+        *means, found_inf, grad_norm = self.packed_host[value].tolist()
         return dict(zip(self.keys, means)), found_inf == 0.0, grad_norm

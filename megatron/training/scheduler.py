@@ -8,7 +8,8 @@ import math
 class OptimizerParamScheduler:
     """Sets ``lr`` (x ``lr_mult``) and ``weight_decay`` (x ``wd_mult``) on the optimizer's param groups.
 
-    Steps are counted in iterations; ``step()`` is called once per successful or skipped iteration.
+    Steps are counted in iterations; the trainer calls ``step()`` once per successful iteration (a step skipped
+    for a non-finite gradient does not advance the schedule).
     """
 
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
@@ -24,7 +25,15 @@ class OptimizerParamScheduler:
         self.step(0)
 
     def get_lr(self) -> float:
-        n = self.num_steps
+        return self.lr_at(self.num_steps)
+
+    def group_lrs(self, increment: int = 0) -> list:
+        """Each param group's learning rate after ``increment`` more steps, without stepping."""
+        lr = self.lr_at(self.num_steps + increment)
+        return [lr * group.get("lr_mult", 1.0) for group in self.optimizer.param_groups]
+
+    def lr_at(self, n: int) -> float:
+        """The learning rate after ``n`` steps."""
         if self.warmup_steps > 0 and n <= self.warmup_steps:
             return self.max_lr * n / self.warmup_steps
         if self.decay_style == "constant":
@@ -41,9 +50,8 @@ class OptimizerParamScheduler:
 
     def step(self, increment: int = 1) -> None:
         self.num_steps += increment
-        lr = self.get_lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+        for group, lr in zip(self.optimizer.param_groups, self.group_lrs()):
+            group["lr"] = lr
             group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict:

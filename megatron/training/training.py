@@ -128,21 +128,40 @@ class Trainer:
         found_inf, grad_norm = self.optimizer.step_without_sync()
         return stats, found_inf, grad_norm
 
-    def train_step(self) -> tuple:
-        if self.args.enable_cuda_graph:
-            if self.cuda_graph is None:
-                from megatron.training.cuda_graph import FullIterationCudaGraph
+    def launch_step(self, ahead: bool = False):
+        """Start one training step; ``finish_step`` reads its results. Eager, the whole step runs here. Under
+        ``--enable-cuda-graph`` a replay is launched; ``ahead``: the previous launched step is still unread, so
+        this step's learning rate depends on whether that one updates (the graph picks, see cuda_graph.py)."""
+        if not self.args.enable_cuda_graph:
+            return self._eager_step()
+        if self.cuda_graph is None:
+            from megatron.training.cuda_graph import FullIterationCudaGraph
 
-                self.cuda_graph = FullIterationCudaGraph(
-                    self.iterators["train"][0], self.args.num_microbatches, self._eager_step,
-                    self._captured_step_body, self.optimizer.optimizer, self.args.cuda_graph_warmup_steps,
-                    torch.device("cuda", torch.cuda.current_device()))
-            losses, ok, grad_norm = self.cuda_graph.step()
-        else:
-            losses, ok, grad_norm = self._eager_step()
+            self.cuda_graph = FullIterationCudaGraph(
+                self.iterators["train"][0], self.args.num_microbatches, self._eager_step,
+                self._captured_step_body, self.optimizer.optimizer, self.args.cuda_graph_warmup_steps,
+                torch.device("cuda", torch.cuda.current_device()))
+        now = self.scheduler.group_lrs(0)
+        return self.cuda_graph.launch(self.scheduler.group_lrs(1) if ahead else now, now)
+
+    def finish_step(self, handle) -> tuple:
+        """``(mean losses, update_ok, grad_norm)`` of a launched step; advances the schedule if it updated."""
+        losses, ok, grad_norm = self.cuda_graph.finish(handle) if self.args.enable_cuda_graph else handle
         if ok:
             self.scheduler.step(1)
         return losses, ok, grad_norm
+
+    def train_step(self) -> tuple:
+        return self.finish_step(self.launch_step())
+
+    def _may_run_ahead(self, n: int) -> bool:
+        """Whether step ``n + 1`` may be launched before step ``n``'s results are read: only replays, and only
+        when nothing (evaluation, a checkpoint, an exit, the end) has to happen after step ``n``."""
+        a = self.args
+        if self.cuda_graph is None or not self.cuda_graph.replaying or n >= a.train_iters:
+            return False
+        return not any(interval and n % interval == 0
+                       for interval in (a.eval_interval, a.save_interval, a.exit_interval))
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, split: str, label: str) -> Optional[dict]:
@@ -192,13 +211,20 @@ class Trainer:
         history, total_train_time, exited, n_run = [], 0.0, None, 0
         # An iteration's time runs from the end of the previous one, so the loop's own work (logging, the
         # checks below) counts, as in Megatron's interval timer; evaluation and checkpointing do not.
-        t_end = None
+        # Under --enable-cuda-graph the next step is launched before this one's results are read (when
+        # _may_run_ahead allows), so the GPU replays it while the host logs; ``ahead`` is that launched step.
+        t_end, ahead, stop_after_ahead = None, None, None
         while self.iteration < a.train_iters:
             if t_end is None:
                 _sync()
                 t_end = time.time()
-            losses, ok, grad_norm = self.train_step()
-            _sync()
+            handle = ahead if ahead is not None else self.launch_step()
+            ahead = None
+            if stop_after_ahead is None and self._may_run_ahead(self.iteration + 1):
+                ahead = self.launch_step(ahead=True)
+            losses, ok, grad_norm = self.finish_step(handle)
+            if ahead is None:
+                _sync()
             now = time.time()
             dt, t_end = now - t_end, now
             self.iteration += 1
@@ -222,13 +248,13 @@ class Trainer:
                 avg = {k: v / window_iters for k, v in window_losses.items()}
                 print_rank_last(format_iteration_line(
                     self.iteration, a.train_iters, self.consumed_train_samples, elapsed * 1000.0, lr,
-                    a.global_batch_size, avg, float(self.optimizer.get_loss_scale()), grad_norm,
+                    a.global_batch_size, avg, self.optimizer.loss_scale_value(), grad_norm,
                     self.skipped_iters, self.nan_iters, tflops, tok_s if a.log_throughput else None))
                 window_time, window_iters, window_losses = 0.0, 0, {}
             if self.iteration % a.tensorboard_log_interval == 0:
                 self.tb.scalars(self.iteration, {
                     "lm loss": losses.get("lm loss"), "learning-rate": lr, "grad-norm": grad_norm,
-                    "loss-scale": float(self.optimizer.get_loss_scale()), "batch-size": a.global_batch_size,
+                    "loss-scale": self.optimizer.loss_scale_value(), "batch-size": a.global_batch_size,
                     "throughput-tflops-per-gpu": flops_per_iter / (dt * ps.world_size * 1e12),
                     "tokens-per-sec": tokens_per_iter / dt,
                 })
@@ -238,10 +264,15 @@ class Trainer:
             if a.save_interval and self.iteration % a.save_interval == 0:
                 self.save()
                 t_end = None
-            if a.exit_interval and self.iteration % a.exit_interval == 0:
+            if stop_after_ahead is not None:
+                exited = stop_after_ahead
+            elif a.exit_interval and self.iteration % a.exit_interval == 0:
                 exited = "exit-interval"
             elif self._should_exit_for_time(start_time):
                 exited = "exit-duration-in-mins"
+            if exited and ahead is not None:
+                stop_after_ahead, exited = exited, None  # the launched step runs to its end and counts first
+                continue
             if exited:
                 if not (a.save_interval and self.iteration % a.save_interval == 0):
                     self.save()

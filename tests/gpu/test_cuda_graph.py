@@ -59,3 +59,32 @@ def test_eager_checkpoint_resumes_under_the_graph(prefix, tmp_path):
     first = losses(_args(prefix, save=ckpt, exit_interval=6))
     second = losses(_args(prefix, enable_cuda_graph=True, cuda_graph_warmup_steps=2, load=ckpt))
     assert_same_losses(straight, {**first, **second}, rel=1e-4, keys=("lm loss",))
+
+
+def test_running_ahead_stops_for_evaluation_and_checkpoints(prefix, tmp_path):
+    """The graph launches step n + 1 before reading step n, except after steps that evaluate, save or exit:
+    with evaluation every 5 and checkpoints every 4 iterations, the training curve, every validation loss and
+    the resumed run agree with the eager trainer."""
+    import re
+
+    from tests.functional.harness import parse_iterations, run_pretrain
+
+    def run(**kw):
+        out = run_pretrain(_args(prefix, split="90,10,0", eval_interval=5, eval_iters=2, **kw)).stdout
+        valid = {int(m.group(1)): float(m.group(2))
+                 for m in re.finditer(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)", out)}
+        return parse_iterations(out), valid
+
+    eager, eager_valid = run(save=str(tmp_path / "eager"), save_interval=4)
+    graph, graph_valid = run(enable_cuda_graph=True, cuda_graph_warmup_steps=2, save=str(tmp_path / "graph"),
+                             save_interval=4)
+    assert_same_losses(eager, graph, rel=1e-4, keys=("lm loss", "grad norm"))
+    assert sorted(eager_valid) == sorted(graph_valid) == [5, 10, 12]
+    for it, value in eager_valid.items():
+        assert abs(value - graph_valid[it]) <= 1e-4 * abs(value), (it, value, graph_valid[it])
+    # the checkpoint of iteration 8 (saved while no step ran ahead) resumes on the same curve
+    with open(tmp_path / "graph" / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("8")
+    resumed, _ = run(enable_cuda_graph=True, cuda_graph_warmup_steps=2, load=str(tmp_path / "graph"))
+    assert sorted(resumed) == list(range(9, 13))
+    assert_same_losses({i: graph[i] for i in resumed}, resumed, rel=1e-4, keys=("lm loss",))

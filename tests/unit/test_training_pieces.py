@@ -51,6 +51,21 @@ def test_scheduler_state_round_trip():
     assert opt2.param_groups[0]["lr"] == opt1.param_groups[0]["lr"] and s2.num_steps == 17
 
 
+def test_scheduler_group_lrs_look_ahead_without_stepping():
+    """What the CUDA-graph trainer hands the graph for a step launched ahead: each group's learning rate after
+    one more successful step (and now), without moving the schedule."""
+    opt = _Opt()
+    opt.param_groups[1]["lr_mult"] = 0.5
+    sched = OptimizerParamScheduler(opt, 1.0, 0.1, 4, 20, "cosine", 0.0)
+    for _ in range(6):
+        now, ahead = sched.group_lrs(0), sched.group_lrs(1)
+        assert now == [g["lr"] for g in opt.param_groups]
+        before = sched.num_steps
+        sched.step(1)
+        assert sched.num_steps == before + 1 and ahead == [g["lr"] for g in opt.param_groups]
+        assert ahead[1] == 0.5 * ahead[0] and ahead != now
+
+
 def test_vocab_padding_follows_megatron():
     assert pad_vocab_size(50257, 128, 1) == 50304
     assert pad_vocab_size(50257, 128, 2) == 50432

@@ -56,6 +56,11 @@ class MegatronOptimizer(abc.ABC):
         """Current loss scale as a [1] fp32 tensor (1.0 without fp16)."""
         return self.grad_scaler.scale if self.grad_scaler is not None else self._one
 
+    def loss_scale_value(self) -> float:
+        """The loss scale as a float for logging; 1.0 without fp16 read without touching the device (a read of
+        the device tensor would wait for every queued step, e.g. one a CUDA graph runs ahead)."""
+        return 1.0 if self.grad_scaler is None else float(self.grad_scaler.scale)
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale``: hand this to the schedule as ``grad_scale_func``."""
         return loss * self.get_loss_scale().to(loss.device, loss.dtype).reshape(())
