@@ -43,7 +43,8 @@ def model_provider(args, pstate):
         attention_backend=args.attention_backend,
         use_fused_kernels=not (args.no_bias_gelu_fusion or args.no_bias_dropout_fusion or args.no_persist_layer_norm),
         gradient_accumulation_fusion=not args.no_gradient_accumulation_fusion,
-        fp8=args.fp8_format, fp8_margin=args.fp8_margin,
+        fp8=args.fp8_format, fp8_margin=args.fp8_margin, fp8_recipe=args.fp8_recipe,
+        fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
     )
     vpp = pstate.vpp_size or 1
     chunks = []

@@ -26,8 +26,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--train-data-path": "separate train/valid/test data paths (use --data-path with --split)",
     "--valid-data-path": "separate train/valid/test data paths (use --data-path with --split)",
     "--test-data-path": "separate train/valid/test data paths (use --data-path with --split)",
-    "--fp8-amax-history-len": "delayed FP8 scaling (FP8 here scales each tensor by its own amax: tensorwise)",
-    "--fp8-amax-compute-algo": "delayed FP8 scaling (FP8 here scales each tensor by its own amax: tensorwise)",
     "--fp8-param-gather": "FP8 parameter all-gather",
     "--tp-comm-overlap": "Transformer Engine communication overlap",
     "--use-dist-ckpt": "distributed (torch_dist) checkpoints; checkpoints are per-rank torch files",
@@ -41,7 +39,7 @@ UNSUPPORTED_CHOICES = {
     "--normalization": ("LayerNorm",),
     "--transformer-impl": ("local",),
     "--ckpt-format": ("torch",),
-    "--fp8-recipe": ("tensorwise",),
+    "--fp8-recipe": ("tensorwise", "delayed"),
 }
 
 
@@ -107,8 +105,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-format", default=None, choices=list(FP8_FORMATS),
                    help="FP8 GEMMs in the transformer layers' linears (needs --bf16 and an FP8 GPU, sm89+): e4m3 "
                         "everywhere, or hybrid (E5M2 output gradients)")
-    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise"],
-                   help="FP8 scaling: tensorwise = each tensor scaled by its own current amax")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "delayed"],
+                   help="FP8 scaling: tensorwise = each tensor scaled by its own current amax; delayed = by the "
+                        "amax its quantization site saw in earlier iterations (no amax pass before the cast)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="--fp8-recipe delayed: iterations of amax history per quantization site")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="--fp8-recipe delayed: the scale's amax is the latest one or the history's maximum")
     g.add_argument("--fp8-margin", type=int, default=0, help="FP8 scale = fp8_max / amax / 2^margin")
 
     g = p.add_argument_group("batches and schedule")
@@ -238,6 +241,10 @@ def _check_fp8_args(args: argparse.Namespace, tp: int) -> None:
         _fail("--fp8-format does not combine with --use-torch-compile")
     if args.fp8_margin < 0:
         _fail(f"--fp8-margin must be >= 0, got {args.fp8_margin}")
+    if args.fp8_amax_history_len < 1:
+        _fail(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
+    if args.fp8_recipe != "delayed" and (args.fp8_amax_history_len != 1 or args.fp8_amax_compute_algo != "most_recent"):
+        _fail("--fp8-amax-history-len and --fp8-amax-compute-algo need --fp8-recipe delayed")
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         major, minor = torch.cuda.get_device_capability()
         _fail(f"--fp8-format needs an FP8 GPU (compute capability 8.9 or newer), this one is {major}.{minor}")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megatron.core.fusions.fp8 import delayed_scaling_step
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -117,6 +118,7 @@ class Trainer:
 
     def _eager_step(self) -> tuple:
         self.optimizer.zero_grad()  # zeroes every chunk's grad buffer
+        delayed_scaling_step()  # --fp8-recipe delayed: this step's scales from the amax history
         stats = self._schedule(self.iterators["train"], forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         return self._reduce_losses(stats), ok, grad_norm
@@ -124,6 +126,7 @@ class Trainer:
     def _captured_step_body(self, static_iterator) -> tuple:
         """One step's GPU work with no host synchronisation (what ``--enable-cuda-graph`` captures)."""
         self.optimizer.zero_grad()
+        delayed_scaling_step()
         stats = self._schedule([static_iterator], forward_only=False)
         found_inf, grad_norm = self.optimizer.step_without_sync()
         return stats, found_inf, grad_norm

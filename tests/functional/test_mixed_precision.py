@@ -1,5 +1,5 @@
 """bf16, FP8 and fp16 training through pretrain_gpt.py on CPU: the loss falls; FP8 tracks bf16 (also under
-TP+SP, PP2, DP2); fp16 overflows skip and halve the scale."""
+TP+SP, PP2, DP2, and with delayed scaling); fp16 overflows skip and halve the scale."""
 
 import pytest
 
@@ -26,6 +26,19 @@ def test_fp8_trains_and_tracks_bf16(data_prefix, fmt, tp, pp, dp):
                  nproc=tp * pp * dp)
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
     for it in run:  # FP8 GEMMs (3 or 2 mantissa bits) on top of bf16 stay close to the bf16 curve
+        assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < 0.05, it
+    assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
+
+
+@pytest.mark.parametrize("history,algo,pp", [(1, "most_recent", 1), (4, "max", 2)],
+                         ids=["most-recent", "max-of-4-pp2"])
+def test_fp8_delayed_scaling_trains_and_tracks_bf16(data_prefix, history, algo, pp):
+    bf16 = losses(gpt_args(data_prefix, bf16=True))
+    run = losses(gpt_args(data_prefix, bf16=True, fp8_format="hybrid", fp8_recipe="delayed",
+                          fp8_amax_history_len=history, fp8_amax_compute_algo=algo,
+                          pipeline_model_parallel_size=pp), nproc=pp)
+    assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
+    for it in run:
         assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < 0.05, it
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 

@@ -84,3 +84,35 @@ def test_gemms_match_an_fp32_emulation(fmt, m, k, n):
     dyd = dyq.float() * dy_inv
     assert _rel(dx, dyd @ wd) < 5e-3
     assert _rel(dw, dyd.t() @ xd) < 1e-3  # fp32 accumulation over thousands of tokens, in another order
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_delayed_scaling_triton_equals_the_pytorch_path(gelu):
+    """--fp8-recipe delayed over three steps (current scaling at the first, then the recorded amax): the Triton
+    cast with its in-kernel amax record gives the bits, scales and amax history of the PyTorch path."""
+    from megatron.core.fusions.ops import BiasGeLUFunction
+
+    torch.manual_seed(3)
+    xs = [(torch.randn(1000, 304, device="cuda") * (2 + 3 * i)).bfloat16() for i in range(3)]
+    b = torch.randn(304, device="cuda").bfloat16()
+    runs = {}
+    for triton_on in (True, False):
+        fp8.reset_delayed_scaling()
+        site = fp8.delayed_site(fp8.E5M2, 0, 2, "max")
+        saved, fp8.HAVE_TRITON = fp8.HAVE_TRITON, triton_on
+        try:
+            out = []
+            for x in xs:
+                fp8.delayed_scaling_step()
+                if gelu and not triton_on:  # the PyTorch path quantizes the bias+GeLU kernel's output
+                    q, qt, inv = fp8.quantize(BiasGeLUFunction.apply(x, b), fp8.E5M2, 0, transpose=True, site=site)
+                else:
+                    q, qt, inv = fp8.quantize(x, fp8.E5M2, 0, transpose=True, gelu=gelu, bias=b if gelu else None,
+                                              site=site)
+                out += [q.view(torch.uint8), qt.view(torch.uint8), inv.clone(), fp8._DELAYED.history.clone()]
+        finally:
+            fp8.HAVE_TRITON = saved
+        runs[triton_on] = out
+    fp8.reset_delayed_scaling()
+    for i, (a, r) in enumerate(zip(runs[True], runs[False])):
+        assert torch.equal(a, r), f"output {i % 4} of step {i // 4 + 1} differs"

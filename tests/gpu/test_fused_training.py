@@ -67,7 +67,11 @@ def test_fused_and_unfused_losses_match(data_prefix, fused_bf16):
 
 
 @pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective", "--recompute-modules", "mlp_act"],
-                                   ["--enable-cuda-graph"]], ids=["eager", "gelu-recompute", "cuda-graph"])
+                                   ["--enable-cuda-graph"],
+                                   ["--fp8-recipe", "delayed", "--recompute-granularity", "selective",
+                                    "--recompute-modules", "mlp_act"],
+                                   ["--fp8-recipe", "delayed", "--enable-cuda-graph"]],
+                         ids=["eager", "gelu-recompute", "cuda-graph", "delayed-gelu-recompute", "delayed-cuda-graph"])
 def test_fp8_hybrid_tracks_bf16(data_prefix, fused_bf16, extra):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability 8.9+")

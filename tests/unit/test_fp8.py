@@ -136,3 +136,60 @@ def test_sizes_that_are_not_multiples_of_16_are_named():
         fp8.fp8_linear(x, torch.randn(48, 32).bfloat16(), None, "e4m3")
     with pytest.raises(ValueError, match="--fp8-format must be one of e4m3, hybrid, got e5m2"):
         fp8.fp8_linear(x, torch.randn(48, 32).bfloat16(), None, "e5m2")
+
+
+@pytest.fixture
+def delayed():
+    fp8.reset_delayed_scaling()
+    yield
+    fp8.reset_delayed_scaling()
+
+
+def _cast_ref(x, scale, dtype):
+    fmax = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def test_delayed_scaling_uses_the_previous_steps_amax(delayed):
+    """Step 1 scales by the current amax (no history yet) and records it; from step 2 on each cast uses the
+    scale of the amax recorded in the step before, saturating what exceeds it, and records its own."""
+    site = fp8.delayed_site(fp8.E4M3, 0, 1, "most_recent")
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(32, 48, generator=g) * s).bfloat16() for s in (2.0, 8.0, 1.0)]
+    amax = [x.float().abs().max() for x in xs]
+    for i, x in enumerate(xs):
+        fp8.delayed_scaling_step()
+        q, qt, inv = fp8.quantize(x, fp8.E4M3, 0, transpose=True, site=site)
+        scale = torch.div(torch.tensor([448.0]), (amax[i] if i == 0 else amax[i - 1]).reshape(1))
+        assert torch.equal(inv, torch.div(torch.ones(1), scale))
+        ref = _cast_ref(x, scale, fp8.E4M3)
+        assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
+        assert fp8._DELAYED.history[0, site].item() == amax[i].item()
+        if i == 1:  # a tensor ~4x larger than the amax of step 1: its largest values saturate at 448
+            assert (q.float().abs() == 448).sum() > 10
+
+
+def test_delayed_scaling_history_max_and_bad_amax_keep_the_scale(delayed):
+    site = fp8.delayed_site(fp8.E5M2, 1, 3, "max")
+    fmax = torch.finfo(fp8.E5M2).max / 2.0
+    for value in (4.0, 16.0, 2.0):
+        fp8.delayed_scaling_step()
+        fp8.quantize(torch.full((16, 16), value).bfloat16(), fp8.E5M2, 1, site=site)
+    fp8.delayed_scaling_step()  # history 2, 16, 4 (newest first): the max is 16
+    _, _, inv = fp8.quantize(torch.ones(16, 16).bfloat16(), fp8.E5M2, 1, site=site)
+    assert inv.item() == pytest.approx(16.0 / fmax, rel=1e-7)
+    x = torch.ones(16, 16).bfloat16()
+    x[3, 3] = float("inf")
+    fp8.quantize(x, fp8.E5M2, 1, site=site)  # this step's amax is infinite
+    for _ in range(4):  # three steps see the infinite amax in the history, the fourth an empty one (0)
+        fp8.delayed_scaling_step()
+        assert fp8._DELAYED.scale[site, 0].item() == pytest.approx(fmax / 16.0, rel=1e-7)
+
+
+def test_delayed_sites_of_one_process_share_one_setting(delayed):
+    fp8.delayed_site(fp8.E4M3, 0, 2, "max")
+    with pytest.raises(ValueError, match="already configured"):
+        fp8.delayed_site(fp8.E4M3, 0, 1, "max")
+    with pytest.raises(ValueError, match="history-len must be >= 1"):
+        fp8.reset_delayed_scaling() or fp8.delayed_site(fp8.E4M3, 0, 0, "max")

@@ -54,37 +54,41 @@ def _amax_kernel(X, B, PART, NUMEL, N, ITERS, GELU: tl.constexpr, HAS_BIAS: tl.c
 
 @triton.jit
 def _scale_from_parts(PART, NPART, FMAX_OVER_MARGIN: tl.constexpr, FP32_MAX: tl.constexpr, NPART_P2: tl.constexpr):
-    """(scale, 1/scale) in fp32 from the amax kernel's partial maxima."""
+    """(scale, 1/scale, amax) in fp32 from the amax kernel's partial maxima."""
     idx = tl.arange(0, NPART_P2)
     amax = tl.max(tl.load(PART + idx, mask=idx < NPART, other=0.0), axis=0).to(tl.float32)
     numerator = (tl.zeros_like(amax) + FMAX_OVER_MARGIN).to(tl.float32)
     scale = tl.minimum(tl.math.div_rn(numerator, tl.maximum(amax, 1e-45).to(tl.float32)), FP32_MAX)
     scale = tl.where(amax > 0.0, scale, 1.0)
     scale = tl.where(amax < float("inf"), scale, float("nan")).to(tl.float32)
-    return scale, tl.math.div_rn((tl.zeros_like(scale) + 1.0).to(tl.float32), scale)
+    return scale, tl.math.div_rn((tl.zeros_like(scale) + 1.0).to(tl.float32), scale), amax
 
 
 @triton.jit
 def _scale_kernel(PART, NPART, SCALE, SCALE_INV, FMAX_OVER_MARGIN: tl.constexpr, FP32_MAX: tl.constexpr,
                   NPART_P2: tl.constexpr):
-    scale, scale_inv = _scale_from_parts(PART, NPART, FMAX_OVER_MARGIN, FP32_MAX, NPART_P2)
+    scale, scale_inv, amax = _scale_from_parts(PART, NPART, FMAX_OVER_MARGIN, FP32_MAX, NPART_P2)
     tl.store(SCALE, scale)
     tl.store(SCALE_INV, scale_inv)
 
 
 @triton.jit
-def _scaled_cast_kernel(X, B, Q, QT, SCALE, SCALE_INV, PART, NPART, M, N, FMAX: tl.constexpr, ROWS: tl.constexpr,
-                        TRANSPOSE: tl.constexpr, GELU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        FROM_PARTS: tl.constexpr, FMAX_OVER_MARGIN: tl.constexpr, FP32_MAX: tl.constexpr,
-                        NPART_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scaled_cast_kernel(X, B, Q, QT, SCALE, SCALE_INV, PART, NPART, AMAX_OUT, M, N, FMAX: tl.constexpr,
+                        ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, GELU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        FROM_PARTS: tl.constexpr, RECORD_AMAX: tl.constexpr, FMAX_OVER_MARGIN: tl.constexpr,
+                        FP32_MAX: tl.constexpr, NPART_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     """Q = saturate(V * scale) for V = X or gelu(X + B) (X [M, N] row-major); QT [N, M] = Q^T when TRANSPOSE;
     Q itself is written only when ROWS. The scale is read from SCALE, or with FROM_PARTS computed from the
-    amax kernel's partial maxima (and stored, with its inverse, by the first program)."""
+    amax kernel's partial maxima (and stored, with its inverse, by the first program). RECORD_AMAX: the amax of
+    V (NaN counted as infinity) is atomically maxed into AMAX_OUT (delayed scaling's history)."""
     if FROM_PARTS:
-        scale, scale_inv = _scale_from_parts(PART, NPART, FMAX_OVER_MARGIN, FP32_MAX, NPART_P2)
+        scale, scale_inv, amax = _scale_from_parts(PART, NPART, FMAX_OVER_MARGIN, FP32_MAX, NPART_P2)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(SCALE, scale)
             tl.store(SCALE_INV, scale_inv)
+            if RECORD_AMAX:
+                tl.atomic_max(AMAX_OUT, amax)
     else:
         scale = tl.load(SCALE)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,6 +100,9 @@ def _scaled_cast_kernel(X, B, Q, QT, SCALE, SCALE_INV, PART, NPART, M, N, FMAX: 
         if HAS_BIAS:
             v += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         v = gelu_f32(v).to(x.dtype).to(tl.float32)
+    if RECORD_AMAX and not FROM_PARTS:
+        a = tl.where(mask, tl.abs(v), 0.0)
+        tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.where(a == a, a, float("inf")), axis=1), axis=0))
     y = v * scale
     # saturate; a NaN (from a non-finite amax, see fp8.py) stays NaN so the overflow check sees it
     y = tl.minimum(tl.maximum(y, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX, propagate_nan=tl.PropagateNan.ALL)
@@ -139,12 +146,19 @@ def scales(x: torch.Tensor, dtype: torch.dtype, margin: int, gelu: bool = False,
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool, rows: bool = True,
-             gelu: bool = False, bias=None):
-    """(q or None, q^T or None, 1/scale) for a contiguous 2D ``x`` (or ``gelu(x + bias)``) with its own current
-    scale (``fp8.quantize``): the amax kernel, then the cast kernel, which computes the scale itself."""
+             gelu: bool = False, bias=None, amax_out=None, scale=None, scale_inv=None):
+    """(q or None, q^T or None, 1/scale) for a contiguous 2D ``x`` (or ``gelu(x + bias)``), as ``fp8.quantize``.
+
+    Without ``scale``: its own current scale, from the amax kernel then the cast kernel, which computes the scale
+    itself. With ``scale`` / ``scale_inv`` (delayed scaling): the cast kernel alone. ``amax_out``: a one-element
+    fp32 tensor the amax of the quantized values is atomically maxed into."""
+    if scale is not None:
+        q, qt = _cast(x, scale, dtype, transpose, rows, gelu, bias, amax_out=amax_out)
+        return q, qt, scale_inv
     part = _amax_parts(x, gelu, bias)
     scale, scale_inv = _scale_pair(x)
-    q, qt = _cast(x, scale, dtype, transpose, rows, gelu, bias, scale_inv=scale_inv, part=part, margin=margin)
+    q, qt = _cast(x, scale, dtype, transpose, rows, gelu, bias, scale_inv=scale_inv, part=part, margin=margin,
+                  amax_out=amax_out)
     return q, qt, scale_inv
 
 
@@ -155,7 +169,7 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transp
     return _cast(x, scale, dtype, transpose, rows, gelu, bias)
 
 
-def _cast(x, scale, dtype, transpose, rows, gelu, bias, scale_inv=None, part=None, margin=0):
+def _cast(x, scale, dtype, transpose, rows, gelu, bias, scale_inv=None, part=None, margin=0, amax_out=None):
     m, n = x.shape
     q = torch.empty((m, n), device=x.device, dtype=dtype) if rows else None
     qt = torch.empty((n, m), device=x.device, dtype=dtype) if transpose else None
@@ -166,8 +180,9 @@ def _cast(x, scale, dtype, transpose, rows, gelu, bias, scale_inv=None, part=Non
     from_parts = part is not None
     _scaled_cast_kernel[grid](x, bias if bias is not None else x, q if rows else qt, qt if transpose else q, scale,
                               scale_inv if from_parts else scale, part if from_parts else scale,
-                              part.numel() if from_parts else 1, m, n, FMAX=torch.finfo(dtype).max, ROWS=rows,
-                              TRANSPOSE=transpose, GELU=gelu, HAS_BIAS=bias is not None, FROM_PARTS=from_parts,
+                              part.numel() if from_parts else 1, amax_out if amax_out is not None else scale, m, n,
+                              FMAX=torch.finfo(dtype).max, ROWS=rows, TRANSPOSE=transpose, GELU=gelu,
+                              HAS_BIAS=bias is not None, FROM_PARTS=from_parts, RECORD_AMAX=amax_out is not None,
                               FMAX_OVER_MARGIN=torch.finfo(dtype).max / 2.0 ** margin,
                               FP32_MAX=torch.finfo(torch.float32).max,
                               NPART_P2=triton.next_power_of_2(part.numel()) if from_parts else 1,

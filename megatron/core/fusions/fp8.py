@@ -26,6 +26,19 @@ Overflow is not hidden: a non-finite amax makes the scale NaN, so the GEMM outpu
 non-finite-gradient check skips the step. GEMM dimensions (tokens per microbatch, hidden and FFN sizes per TP
 rank) must be multiples of 16 (a cuBLAS FP8 requirement); anything else is refused with the sizes named.
 On CUDA the cast is a Triton kernel; on CPU (tests) the same arithmetic in PyTorch ops.
+
+``--fp8-recipe delayed`` (Megatron's name; Transformer Engine's default recipe) scales each operand by the amax
+its *quantization site* (an operand of one linear: input, weight or output gradient) saw in earlier iterations,
+kept in an amax history of ``--fp8-amax-history-len`` steps and reduced by ``--fp8-amax-compute-algo``
+(``most_recent`` or ``max``). The cast kernel then needs no amax pass before it: it records the amax of what it
+casts for the following steps (an atomic max into the history), which saves one read of every quantized tensor.
+:class:`DelayedScaling` holds every site's history and scale in two process-wide device buffers;
+``delayed_scaling_step()`` (called by the trainer at the start of each iteration, inside the CUDA graph when
+there is one) turns the history into the scales of the new step in a few kernels for all sites together, and
+rolls the history. A site uses current (tensorwise) scaling until its first amax has gone through such a step
+(its first iteration, and again after a resume: the history is not checkpointed). Values above the scale's
+range saturate, as in Transformer Engine; a non-finite or zero amax keeps the site's previous scale (the step
+with the non-finite values is skipped by the non-finite-gradient check, since its casts carry the NaN).
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ except ImportError:  # CPU-only machines without triton use the PyTorch cast bel
     HAVE_TRITON = False
 
 FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -78,20 +93,119 @@ def _scales_torch(x: torch.Tensor, dtype: torch.dtype, margin: int) -> Tuple[tor
     return scale, torch.div(torch.ones_like(scale), scale)
 
 
+class DelayedScaling:
+    """Amax histories and scales of every quantization site under ``--fp8-recipe delayed`` (module docstring).
+
+    Sites are numbered when the model is built (``new_site``, host only); the device buffers are made at the
+    first quantization: ``history [L, sites]`` (row 0 collects the current step's amax), and per site its scale
+    and 1/scale in rows of 16 bytes (cuBLASLt wants aligned scale pointers).
+    """
+
+    UNUSED, RECORDED, READY = 0, 1, 2
+
+    def __init__(self):
+        self.history_len, self.algo = None, None
+        self.fmax_over_margin: list = []  # per site: fp8_max / 2**margin of its format
+        self.state: list = []  # per site: UNUSED / RECORDED (amax in the history) / READY (has a delayed scale)
+        self.history = self.scale = self.scale_inv = self.fmax_t = None
+
+    def configure(self, history_len: int, algo: str) -> None:
+        if history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be >= 1, got {history_len}")
+        if algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"--fp8-amax-compute-algo must be one of {', '.join(AMAX_COMPUTE_ALGOS)}, got {algo}")
+        if self.history_len is not None and (history_len, algo) != (self.history_len, self.algo):
+            raise ValueError(f"delayed FP8 scaling is already configured with history {self.history_len} and "
+                             f"{self.algo}; this process cannot mix settings (reset_delayed_scaling() first)")
+        self.history_len, self.algo = history_len, algo
+
+    def new_site(self, dtype: torch.dtype, margin: int) -> int:
+        if self.history is not None:
+            raise ValueError("delayed FP8 scaling: a site was added after the first quantization "
+                             "(build every model before running one)")
+        self.fmax_over_margin.append(torch.finfo(dtype).max / 2.0 ** margin)
+        self.state.append(self.UNUSED)
+        return len(self.state) - 1
+
+    def _buffers(self, device: torch.device) -> None:
+        if self.history is None:
+            n = len(self.state)
+            self.history = torch.zeros((self.history_len, n), dtype=torch.float32, device=device)
+            self.scale = torch.ones((n, 4), dtype=torch.float32, device=device)
+            self.scale_inv = torch.ones((n, 4), dtype=torch.float32, device=device)
+            self.fmax_t = torch.tensor(self.fmax_over_margin, dtype=torch.float32, device=device)
+        elif self.history.device != device:
+            raise ValueError(f"delayed FP8 scaling: sites live on {self.history.device}, got a tensor on {device}")
+
+    def site_tensors(self, site: int, device: torch.device):
+        """(amax slot of the current step, scale, 1/scale) of a site: one-element views of the buffers."""
+        self._buffers(device)
+        return self.history[0, site:site + 1], self.scale[site, :1], self.scale_inv[site, :1]
+
+    def step(self) -> None:
+        """Start an iteration: each site's scale from its amax history, then roll the history (row 0 emptied)."""
+        if self.history is None:
+            return
+        amax = self.history.amax(0) if self.algo == "max" else self.history[0]
+        good = torch.isfinite(amax) & (amax > 0)
+        new = torch.div(self.fmax_t, torch.where(good, amax, torch.ones_like(amax))).clamp(max=_FP32_MAX)
+        self.scale[:, 0] = torch.where(good, new, self.scale[:, 0])
+        self.scale_inv[:, 0] = torch.div(torch.ones_like(new), self.scale[:, 0])
+        if self.history_len > 1:
+            self.history.copy_(torch.roll(self.history, 1, 0))
+        self.history[0].zero_()
+        self.state = [self.READY if st != self.UNUSED else st for st in self.state]
+
+
+_DELAYED = DelayedScaling()
+
+
+def delayed_site(dtype: torch.dtype, margin: int, history_len: int, algo: str) -> int:
+    """A new quantization site under ``--fp8-recipe delayed`` (see :class:`DelayedScaling`)."""
+    _DELAYED.configure(history_len, algo)
+    return _DELAYED.new_site(dtype, margin)
+
+
+def delayed_scaling_step() -> None:
+    """Called at the start of every training iteration: the delayed scales of the new step (a no-op without
+    delayed-scaling sites, and before the first quantization)."""
+    _DELAYED.step()
+
+
+def reset_delayed_scaling() -> None:
+    """Forget every site (tests that build several models with different settings in one process)."""
+    global _DELAYED
+    _DELAYED = DelayedScaling()
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool = False, rows: bool = True,
-             gelu: bool = False, bias: Optional[torch.Tensor] = None):
+             gelu: bool = False, bias: Optional[torch.Tensor] = None, site: Optional[int] = None):
     """(q or None, q^T or None, 1/scale) for a 2D ``x``: ``q = saturate(v * scale)`` in ``dtype``, ``v = x``.
 
     ``rows`` / ``transpose`` choose which of q and q^T are made. With ``gelu`` it quantizes
     ``v = gelu(x + bias)`` (exact GeLU, rounded to ``x``'s dtype): on CUDA the Triton kernels compute the GeLU
-    in both passes and never write it in 16 bits.
+    in both passes and never write it in 16 bits. ``site``: a delayed-scaling site (``delayed_site``): its delayed
+    scale is used once it has one (else the current amax, as without a site), and the amax of ``v`` is recorded
+    into its history.
     """
     x = x.contiguous()  # the Triton kernels index a dense row-major tensor (a no-op for every caller here)
+    slot = scale = scale_inv = None
+    if site is not None:
+        slot, scale, scale_inv = _DELAYED.site_tensors(site, x.device)
+        delayed = _DELAYED.state[site] == DelayedScaling.READY
+        _DELAYED.state[site] = max(_DELAYED.state[site], DelayedScaling.RECORDED)
+        if not delayed:
+            scale = scale_inv = None  # current scaling this time; only the amax is recorded
     if HAVE_TRITON and x.is_cuda:
-        return _triton_quantize(x, dtype, margin, transpose, rows=rows, gelu=gelu, bias=bias)
+        return _triton_quantize(x, dtype, margin, transpose, rows=rows, gelu=gelu, bias=bias, amax_out=slot,
+                                scale=scale, scale_inv=scale_inv)
     if gelu:
         x = bias_gelu_reference(x, bias)
-    scale, scale_inv = scales(x, dtype, margin)
+    if scale is None:
+        scale, scale_inv = scales(x, dtype, margin)
+    if slot is not None:
+        amax = torch.linalg.vector_norm(x, ord=float("inf")).float().reshape(1)
+        slot.copy_(torch.maximum(slot, torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)))
     fmax = torch.finfo(dtype).max
     q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
     return (q if rows else None), (q.t().contiguous() if transpose else None), scale_inv
@@ -110,20 +224,27 @@ def _mm(a, b, scale_a, scale_b, out_dtype, bias=None, fast_accum=False, out=None
                             use_fast_accum=fast_accum, **kw)
 
 
+def new_sites(margin: int, history_len: int, algo: str, fp8_format: str) -> Tuple[int, int, int]:
+    """The three delayed-scaling sites of one linear: its input, its weight, its output gradient."""
+    return (delayed_site(E4M3, margin, history_len, algo), delayed_site(E4M3, margin, history_len, algo),
+            delayed_site(grad_dtype(fp8_format), margin, history_len, algo))
+
+
 def fprop(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], margin: int, keep_x: bool,
-          gelu: bool = False, gelu_bias: Optional[torch.Tensor] = None):
+          gelu: bool = False, gelu_bias: Optional[torch.Tensor] = None, sites=None):
     """``x2 [M, K] @ weight^T + bias`` in FP8 (``gelu(x2 + gelu_bias) @ weight^T + bias`` with ``gelu``, see
     ``quantize``). Returns (y [M, N], saved) where ``saved`` is what ``bprop`` needs: (q(x)^T or None when not
-    ``keep_x``, 1/s_x, q(W)^T, 1/s_W)."""
+    ``keep_x``, 1/s_x, q(W)^T, 1/s_W). ``sites``: the linear's delayed-scaling sites (``new_sites``) or None."""
     _check_dims(x2.shape[0], x2.shape[1], weight.shape[0])
-    xq, xqt, x_inv = quantize(x2, E4M3, margin, transpose=keep_x, gelu=gelu, bias=gelu_bias)
-    wq, wqt, w_inv = quantize(weight, E4M3, margin, transpose=True)
+    sx, sw = (sites[0], sites[1]) if sites is not None else (None, None)
+    xq, xqt, x_inv = quantize(x2, E4M3, margin, transpose=keep_x, gelu=gelu, bias=gelu_bias, site=sx)
+    wq, wqt, w_inv = quantize(weight, E4M3, margin, transpose=True, site=sw)
     y = _mm(xq, wq.t(), x_inv, w_inv, x2.dtype, bias=bias, fast_accum=True)
     return y, (xqt, x_inv, wqt, w_inv)
 
 
 def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool, need_dw: bool,
-          accumulate_into: Optional[torch.Tensor] = None):
+          accumulate_into: Optional[torch.Tensor] = None, sites=None):
     """(dx [M, K] or None, dW [N, K] fp32 or None) for the upstream gradient ``dy2 [M, N]``.
 
     With ``accumulate_into`` (a weight with an fp32 ``main_grad``) the weight gradient goes into that buffer and
@@ -131,7 +252,8 @@ def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool,
     freshly zeroed (``main_grad_is_zero``, the first microbatch of an iteration), else added to it.
     """
     xqt, x_inv, wqt, w_inv = saved
-    dyq, dyqt, dy_inv = quantize(dy2, grad_dtype(fp8_format), margin, transpose=need_dw)
+    dyq, dyqt, dy_inv = quantize(dy2, grad_dtype(fp8_format), margin, transpose=need_dw,
+                                 site=sites[2] if sites is not None else None)
     dx = _mm(dyq, wqt.t(), dy_inv, w_inv, dy2.dtype) if need_dx else None
     if not need_dw:
         return dx, None
@@ -148,10 +270,11 @@ def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool,
 
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8_format: str, margin: int, accumulate: bool):
+    def forward(ctx, x, weight, bias, fp8_format: str, margin: int, accumulate: bool, sites):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         keep_x = ctx.needs_input_grad[1]  # q(x)^T is only needed for the weight gradient
-        y, saved = fprop(x2, weight, bias, margin, keep_x=keep_x)
+        y, saved = fprop(x2, weight, bias, margin, keep_x=keep_x, sites=sites)
+        ctx.sites = sites
         ctx.save_for_backward(*(t for t in saved if t is not None))
         ctx.keep_x, ctx.weight, ctx.bias = keep_x, weight, bias
         ctx.fp8_format, ctx.margin, ctx.accumulate, ctx.has_bias = fp8_format, margin, accumulate, bias is not None
@@ -164,16 +287,17 @@ class Fp8LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = bprop(dy2, saved, ctx.fp8_format, ctx.margin, need_dx, need_dw,
-                       accumulate_into=ctx.weight if ctx.accumulate else None)
+                       accumulate_into=ctx.weight if ctx.accumulate else None, sites=ctx.sites)
         dbias = bias_grad(dy2, bias_param=ctx.bias) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dx = dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None
-        return dx, (dw.to(ctx.weight.dtype) if dw is not None else None), dbias, None, None, None
+        return dx, (dw.to(ctx.weight.dtype) if dw is not None else None), dbias, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8_format: str,
-               margin: int = 0, accumulate_into_main_grad: bool = True) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with its three GEMMs in FP8 (see the module docstring)."""
+               margin: int = 0, accumulate_into_main_grad: bool = True, sites=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its three GEMMs in FP8 (see the module docstring); ``sites``: the
+    linear's delayed-scaling sites (``new_sites``), or None for tensorwise current scaling."""
     grad_dtype(fp8_format)  # validates the format
     if torch.compiler.is_compiling():
         raise RuntimeError("--fp8-format cannot run under torch.compile (use the eager transformer layer)")
-    return Fp8LinearFunction.apply(x, weight, bias, fp8_format, margin, accumulate_into_main_grad)
+    return Fp8LinearFunction.apply(x, weight, bias, fp8_format, margin, accumulate_into_main_grad, sites)

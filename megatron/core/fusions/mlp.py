@@ -45,8 +45,9 @@ def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tens
 class BiasGeLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor, fused: bool,
-                accumulate_into_main_grad: bool, fp8_format: Optional[str], fp8_margin: int, recompute: bool):
-        ctx.fused, ctx.fp8_format, ctx.fp8_margin = fused, fp8_format, fp8_margin
+                accumulate_into_main_grad: bool, fp8_format: Optional[str], fp8_margin: int, recompute: bool,
+                fp8_sites=None):
+        ctx.fused, ctx.fp8_format, ctx.fp8_margin, ctx.fp8_sites = fused, fp8_format, fp8_margin, fp8_sites
         ctx.weight, ctx.accumulate_into_main_grad = weight, accumulate_into_main_grad
         ctx.has_bias, ctx.recompute, ctx.bias_param = bias is not None, recompute, bias
         saved = (x, bias, weight) if bias is not None else (x, weight)
@@ -57,7 +58,7 @@ class BiasGeLULinearFunction(torch.autograd.Function):
             src = x if fused else _gelu_forward(x, bias, False)
             out2, (gqt, g_inv, wqt, w_inv) = fp8.fprop(src.reshape(-1, x.shape[-1]), weight, None, fp8_margin,
                                                        keep_x=not recompute and ctx.needs_input_grad[2], gelu=fused,
-                                                       gelu_bias=bias if fused else None)
+                                                       gelu_bias=bias if fused else None, sites=fp8_sites)
             out = out2.view(*x.shape[:-1], weight.shape[0])
             # recomputing: the backward re-quantizes the GeLU output, so only q(W)^T is kept; else q(g)^T too
             saved = saved + ((wqt, w_inv) if recompute else (wqt, w_inv, gqt, g_inv))
@@ -79,10 +80,12 @@ class BiasGeLULinearFunction(torch.autograd.Function):
                 src = x if ctx.fused else _gelu_forward(x, bias, False)
                 _, gq_t, g_inv = fp8.quantize(src.reshape(-1, x.shape[-1]), fp8.E4M3, ctx.fp8_margin,
                                               transpose=True, rows=False, gelu=ctx.fused,
-                                              bias=bias if ctx.fused else None)
+                                              bias=bias if ctx.fused else None,
+                                              site=ctx.fp8_sites[0] if ctx.fp8_sites is not None else None)
             dg2, dw = fp8.bprop(d2.contiguous(), (gq_t, g_inv, wqt, w_inv), ctx.fp8_format, ctx.fp8_margin,
                                 need_dx=True, need_dw=need_dw,
-                                accumulate_into=ctx.weight if ctx.accumulate_into_main_grad else None)
+                                accumulate_into=ctx.weight if ctx.accumulate_into_main_grad else None,
+                                sites=ctx.fp8_sites)
             del gq_t
             dweight = dw.to(weight.dtype) if dw is not None else None
             dg = dg2.view(*x.shape)
@@ -100,12 +103,13 @@ class BiasGeLULinearFunction(torch.autograd.Function):
             del g, g2
             dg = dout.matmul(weight)  # [s, b, ffn]
         dx, dbias = _gelu_backward(x, bias, dg, ctx.fused, ctx.bias_param)
-        return dx, dbias, dweight, None, None, None, None, None
+        return dx, dbias, dweight, None, None, None, None, None, None
 
 
 def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
                      use_fused: bool = True, gradient_accumulation_fusion: bool = False,
-                     fp8_format: Optional[str] = None, fp8_margin: int = 0, recompute: bool = True) -> torch.Tensor:
+                     fp8_format: Optional[str] = None, fp8_margin: int = 0, recompute: bool = True,
+                     fp8_sites=None) -> torch.Tensor:
     """F.linear(gelu(x + bias), weight) keeping only ``x`` for backward (the GeLU output is recomputed).
 
     With ``gradient_accumulation_fusion`` and an fp32 ``weight.main_grad`` on CUDA, the weight gradient is added
@@ -114,7 +118,8 @@ def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torc
     into ``main_grad`` whenever the weight has an fp32 one and ``gradient_accumulation_fusion`` is set. The
     fused FP8 path computes the GeLU inside the quantization of the second GEMM's input, so its 16-bit output is
     never stored; ``recompute=False`` (FP8 only) keeps that input's FP8 transpose for backward instead of
-    recomputing it (1 byte per element instead of the 2 a bf16 GeLU output would take).
+    recomputing it (1 byte per element instead of the 2 a bf16 GeLU output would take). ``fp8_sites``: the
+    second GEMM's delayed-scaling sites (``fp8.new_sites``), or None for tensorwise current scaling.
     """
     fused = ops._fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:])
     if fp8_format is not None:
@@ -122,11 +127,11 @@ def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torc
         if torch.compiler.is_compiling():
             raise RuntimeError("--fp8-format cannot run under torch.compile (use the eager transformer layer)")
         return BiasGeLULinearFunction.apply(x, bias, weight, fused, gradient_accumulation_fusion, fp8_format,
-                                            fp8_margin, recompute)
+                                            fp8_margin, recompute, fp8_sites)
     if not recompute:
         raise ValueError("bias_gelu_linear without recomputation is only for FP8 (use bias_gelu + a linear)")
     if torch.compiler.is_compiling():
         return F.linear(ops.bias_gelu_reference(x, bias), weight)
     accumulate = (gradient_accumulation_fusion and x.is_cuda
                   and getattr(getattr(weight, "main_grad", None), "dtype", None) == torch.float32)
-    return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate, None, 0, True)
+    return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate, None, 0, True, None)

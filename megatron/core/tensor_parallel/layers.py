@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron.core.fusions.fp8 import fp8_linear
+from megatron.core.fusions.fp8 import fp8_linear, new_sites
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 from megatron.core.fusions.ops import bias_grad
 from megatron.core.parallel_state import ParallelState, default_device
@@ -120,12 +120,20 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def fp8_sites_for(config: TransformerConfig):
+    """A linear layer's delayed-scaling sites under ``--fp8-recipe delayed`` (``fp8.new_sites``), else None."""
+    if config.fp8 is None or config.fp8_recipe != "delayed":
+        return None
+    return new_sites(config.fp8_margin, config.fp8_amax_history_len, config.fp8_amax_compute_algo, config.fp8)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], accumulate_fusion: bool,
-            config: TransformerConfig):
+            config: TransformerConfig, fp8_sites=None):
     """``F.linear``; with gradient-accumulation fusion the weight gradient goes straight into ``main_grad``;
-    with ``config.fp8`` the GEMMs run in FP8 (``megatron.core.fusions.fp8``)."""
+    with ``config.fp8`` the GEMMs run in FP8 (``megatron.core.fusions.fp8``), with ``fp8_sites`` under delayed
+    scaling."""
     if config.fp8 is not None:
-        return fp8_linear(x, weight, bias, config.fp8, config.fp8_margin, accumulate_fusion)
+        return fp8_linear(x, weight, bias, config.fp8, config.fp8_margin, accumulate_fusion, sites=fp8_sites)
     if accumulate_fusion:
         return linear_with_grad_accumulation_fusion(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -175,6 +183,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("ColumnParallelLinear: gather_output=True is not supported with --sequence-parallel")
         if config.fp8 is not None and self.sequence_parallel and not save_gathered_input:
             raise ValueError("ColumnParallelLinear: save_gathered_input=False has no FP8 path (--fp8-format)")
+        self.fp8_sites = fp8_sites_for(config)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
@@ -207,7 +216,8 @@ class ColumnParallelLinear(nn.Module):
                 x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
             else:
                 x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in]
-            out = _linear(x, weight, bias, self.gradient_accumulation_fusion, self.config)  # [s, b, out/tp]
+            out = _linear(x, weight, bias, self.gradient_accumulation_fusion, self.config,
+                          self.fp8_sites)  # [s, b, out/tp]
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # [s, b, out]
         return out, (self.bias if self.skip_bias_add else None)
@@ -251,6 +261,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True")
         self.weight = _empty((output_size, self.input_size_per_partition), config)
         set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        self.fp8_sites = fp8_sites_for(config)
         if bias:
             self.bias = _empty((output_size,), config)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
@@ -263,7 +274,8 @@ class RowParallelLinear(nn.Module):
         """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in/tp]
-        partial = _linear(x, self.weight, None, self.gradient_accumulation_fusion, self.config)  # [s, b, out] partial
+        partial = _linear(x, self.weight, None, self.gradient_accumulation_fusion, self.config,
+                          self.fp8_sites)  # [s, b, out] partial
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:

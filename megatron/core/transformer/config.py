@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.core.fusions.fp8 import FP8_FORMATS
+from megatron.core.fusions.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
@@ -45,6 +45,10 @@ class TransformerConfig:
     # FP8 GEMMs in the transformer layers' linears: None or one of fp8.FP8_FORMATS (megatron/core/fusions/fp8.py)
     fp8: Optional[str] = None
     fp8_margin: int = 0
+    # "tensorwise" (each operand scaled by its own current amax) or "delayed" (by its amax history; fp8.py)
+    fp8_recipe: str = "tensorwise"
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -78,6 +82,13 @@ class TransformerConfig:
             raise ValueError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8}")
         if self.fp8_margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.fp8_margin}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe}")
+        if self.fp8_amax_history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.fp8_amax_history_len}")
+        if self.fp8_amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"--fp8-amax-compute-algo must be one of {', '.join(AMAX_COMPUTE_ALGOS)}, "
+                             f"got {self.fp8_amax_compute_algo}")
 
     def recomputes(self, module: str) -> bool:
         """True when selective recomputation covers ``module`` ("core_attn" or "mlp_act")."""

@@ -72,7 +72,7 @@ class MLP(nn.Module):
             partial = bias_gelu_linear(inter, inter_bias, fc2.weight, use_fused=self.use_fused,
                                        gradient_accumulation_fusion=self.grad_accum_fusion,
                                        fp8_format=self.fp8, fp8_margin=self.fp8_margin,
-                                       recompute=recompute)  # [s, b, h] partial
+                                       recompute=recompute, fp8_sites=fc2.fp8_sites)  # [s, b, h] partial
             if fc2.sequence_parallel:
                 out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial, fc2.tp_group)  # [s/tp, b, h]
             else:
