@@ -100,8 +100,10 @@ def _err(capsys, argv, world=1):
     (["--fp8-format", "hybrid", "--bf16", "--use-torch-compile"], 1, "does not combine with --use-torch-compile"),
     (["--fp8-format", "e4m3", "--bf16", "--seq-length", "20", "--max-position-embeddings", "20"], 1,
      "multiples of 16: --micro-batch-size x --seq-length = 40"),
-    (["--fp8-recipe", "delayed"], 1, "--fp8-recipe delayed is not supported; supported: tensorwise"),
-    (["--fp8-amax-history-len", "1024"], 1, "delayed FP8 scaling"),
+    (["--fp8-recipe", "mxfp8"], 1, "--fp8-recipe mxfp8 is not supported; supported: tensorwise, delayed"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-amax-history-len", "1024"], 1, "need --fp8-recipe delayed"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "0"], 1,
+     "--fp8-amax-history-len must be >= 1"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "18",
       "--max-position-embeddings", "18"], 4, "--seq-length (18) must be divisible"),
 ])
