@@ -210,8 +210,8 @@ def gpu_timeline_summary(trace_path: str, iterations: int) -> str:
 def run_ours_wrapper(argv: list) -> None:
     """Run pretrain_gpt.py in this process and print its peak allocated memory at exit.
 
-    With BENCH_PROFILE=start:count, the steps whose results are read as the
-    start-th to (start+count-1)-th (``Trainer.finish_step``) are recorded with
+    With BENCH_PROFILE=start:count, the steps launched as the start-th to (start+count-1)-th
+    (``Trainer.launch_step``; the run needs start+count iterations) are recorded with
     torch.profiler and a kernel table plus a Chrome trace are written to BENCH_PROFILE_DIR, and the GPU timeline's
     busy time and gaps per iteration are printed (``BENCH_TIMELINE``).
     """
@@ -248,33 +248,41 @@ def run_ours_wrapper(argv: list) -> None:
 
         start, count = (int(x) for x in prof_spec.split(":"))
         out_dir = os.environ.get("BENCH_PROFILE_DIR", ".")
-        original = training_mod.Trainer.finish_step
+        original = training_mod.Trainer.launch_step
         state = {"n": 0, "prof": None}
 
-        def finish_step(self, handle):
+        def sync():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        def stop():
+            sync()  # every step launched in the window has run (a CUDA-graph step may have been launched ahead)
+            prof = state["prof"]
+            prof.__exit__(None, None, None)
+            state["prof"] = None
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=70,
+                                              max_name_column_width=100)
+            layers = argv[argv.index("--num-layers") + 1] if "--num-layers" in argv else "x"
+            with open(os.path.join(out_dir, f"profile_ours_L{layers}.txt"), "w") as f:
+                f.write(table)
+            print(table, flush=True)
+            trace = os.path.join(out_dir, f"trace_ours_L{layers}.json")
+            prof.export_chrome_trace(trace)
+            print(gpu_timeline_summary(trace, count), flush=True)
+
+        def launch_step(self, ahead=False):
+            # the window holds exactly the steps launched as the start-th .. (start+count-1)-th
             state["n"] += 1
+            if state["n"] == start + count and state["prof"] is not None:
+                stop()
             if state["n"] == start:
+                sync()  # nothing launched earlier runs inside the window
                 state["prof"] = torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
                 state["prof"].__enter__()
-            out = original(self, handle)
-            if state["prof"] is not None and state["n"] == start + count - 1:
-                torch.cuda.synchronize()
-                prof = state["prof"]
-                prof.__exit__(None, None, None)
-                state["prof"] = None
-                table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=70,
-                                                  max_name_column_width=100)
-                layers = argv[argv.index("--num-layers") + 1] if "--num-layers" in argv else "x"
-                with open(os.path.join(out_dir, f"profile_ours_L{layers}.txt"), "w") as f:
-                    f.write(table)
-                print(table, flush=True)
-                trace = os.path.join(out_dir, f"trace_ours_L{layers}.json")
-                prof.export_chrome_trace(trace)
-                print(gpu_timeline_summary(trace, count), flush=True)
-            return out
+            return original(self, ahead)
 
-        training_mod.Trainer.finish_step = finish_step
+        training_mod.Trainer.launch_step = launch_step
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 
