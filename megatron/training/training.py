@@ -154,9 +154,6 @@ class Trainer:
             self.scheduler.step(1)
         return losses, ok, grad_norm
 
-    def train_step(self) -> tuple:
-        return self.finish_step(self.launch_step())
-
     def _may_run_ahead(self, n: int) -> bool:
         """Whether step ``n + 1`` may be launched before step ``n``'s results are read: only replays, and only
         when nothing (evaluation, a checkpoint, an exit, the end) has to happen after step ``n``."""
