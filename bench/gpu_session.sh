@@ -2,8 +2,8 @@
 # What issue 7 records, one step per GPU-machine call (each well under the 10-minute limit on one H200):
 #   bash bench/gpu_session.sh tests [RESULTS_DIR]   the GPU tests (fused kernels, attention backends, FP8, fused
 #                                                   and FP8 50-iteration training, CUDA graph): ~4 min
-#   bash bench/gpu_session.sh table [RESULTS_DIR]   the throughput table, peers, ours and ours-fp8, both shapes,
-#                                                   one run: ~4 min
+#   bash bench/gpu_session.sh table [RESULTS_DIR]   the throughput table, peers, ours and ours-fp8 (delayed
+#                                                   scaling since 2026-11-29 19:30 UTC), both shapes, one run: ~4 min
 #   bash bench/gpu_session.sh recompute [RESULTS_DIR]   ours at 1.3B under each recomputation setting (none,
 #                                                   selective both / mlp_act, full uniform / block): the time and
 #                                                   memory trade, one side table per setting: ~4 min
@@ -30,8 +30,8 @@ case "$what" in
   table)
     python bench/gpu_throughput.py --iters 10 --warmup 5 --results-dir "$R" --log-dir "$R/logs" \
         --ours-shape-args "1.3b:--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12" \
-        --ours-shape-args "124m:--enable-cuda-graph" --ours-fp8-shape-args "124m:--enable-cuda-graph" \
-        --ours-fp8-shape-args "1.3b:--enable-cuda-graph" | grep "^|" ;;
+        --ours-shape-args "124m:--enable-cuda-graph" --ours-fp8-shape-args "124m:--enable-cuda-graph --fp8-recipe delayed" \
+        --ours-fp8-shape-args "1.3b:--enable-cuda-graph --fp8-recipe delayed" | grep "^|" ;;
   recompute)
     for spec in "none:" "sel_both:--recompute-granularity selective" \
                 "sel_mlp_act:--recompute-granularity selective --recompute-modules mlp_act" \
