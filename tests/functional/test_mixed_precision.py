@@ -30,13 +30,13 @@ def test_fp8_trains_and_tracks_bf16(data_prefix, fmt, tp, pp, dp):
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 
-@pytest.mark.parametrize("history,algo,pp", [(1, "most_recent", 1), (4, "max", 2)],
-                         ids=["most-recent", "max-of-4-pp2"])
-def test_fp8_delayed_scaling_trains_and_tracks_bf16(data_prefix, history, algo, pp):
+@pytest.mark.parametrize("history,algo,tp,pp", [(1, "most_recent", 1, 1), (4, "max", 1, 2), (1, "most_recent", 2, 1)],
+                         ids=["most-recent", "max-of-4-pp2", "most-recent-tp2-sp"])
+def test_fp8_delayed_scaling_trains_and_tracks_bf16(data_prefix, history, algo, tp, pp):
     bf16 = losses(gpt_args(data_prefix, bf16=True))
-    run = losses(gpt_args(data_prefix, bf16=True, fp8_format="hybrid", fp8_recipe="delayed",
-                          fp8_amax_history_len=history, fp8_amax_compute_algo=algo,
-                          pipeline_model_parallel_size=pp), nproc=pp)
+    run = losses(gpt_args(data_prefix, tp=tp, bf16=True, fp8_format="hybrid", fp8_recipe="delayed",
+                          fp8_amax_history_len=history, fp8_amax_compute_algo=algo, sequence_parallel=tp > 1,
+                          pipeline_model_parallel_size=pp), nproc=tp * pp)
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
     for it in run:
         assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < 0.05, it
