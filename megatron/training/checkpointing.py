@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import tensor_parallel
+from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
 
 CHECKPOINT_VERSION = 3.0
@@ -77,6 +78,9 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, args, pstate: P
             state["opt_param_scheduler"] = scheduler.state_dict()
         if not args.no_save_rng:
             state["rng_state"] = tensor_parallel.get_all_rng_states()
+        fp8_state = delayed_scaling_state()
+        if fp8_state is not None:  # --fp8-recipe delayed: the amax histories, so a resume keeps the scales
+            state["fp8_delayed_scaling"] = fp8_state
         _atomic_save(state, path)
     _barrier()
     if pstate.rank == 0:
@@ -135,6 +139,11 @@ def load_checkpoint(model, optimizer, scheduler, args, pstate: ParallelState) ->
             chunk.load_state_dict(state[key], strict=True)
         except RuntimeError as exc:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {exc}") from exc
+    if "fp8_delayed_scaling" in state:
+        why = load_delayed_scaling_state(state["fp8_delayed_scaling"], next(model[0].parameters()).device)
+        if why is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"> FP8 delayed-scaling state in {path} not restored ({why}); its sites start with current "
+                  "scaling", flush=True)
 
     if args.finetune:
         return 0, 0

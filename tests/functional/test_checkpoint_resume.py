@@ -42,6 +42,17 @@ def test_resume_distributed_optimizer(data_prefix, tmp_path):
     _resume_equals_straight(data_prefix, tmp_path, 2, 8, 4, use_distributed_optimizer=True)
 
 
+def test_resume_with_fp8_delayed_scaling_keeps_the_amax_history(data_prefix, tmp_path):
+    """The checkpoint holds the delayed-scaling histories and scales, so the resumed run quantizes with the same
+    scales as the uninterrupted one: bit-exact on CPU (history 2, max, PP2: two ranks, two registries)."""
+    ckpt = _resume_equals_straight(data_prefix, tmp_path, 2, 10, 5, bf16=True, fp8_format="hybrid",
+                                   fp8_recipe="delayed", fp8_amax_history_len=2, fp8_amax_compute_algo="max",
+                                   pipeline_model_parallel_size=2)
+    state = torch.load(os.path.join(ckpt, "iter_0000005", "mp_rank_00_000", "model_optim_rng.pt"),
+                       weights_only=True)["fp8_delayed_scaling"]
+    assert state["history"].shape[0] == 2 and state["history"].max() > 0 and len(state["state"]) > 0
+
+
 def test_missing_and_corrupt_checkpoints_fail_clearly(data_prefix, tmp_path):
     ckpt = tmp_path / "ckpt"
     run_pretrain(gpt_args(data_prefix, train_iters=2, save=str(ckpt)))

@@ -193,3 +193,27 @@ def test_delayed_sites_of_one_process_share_one_setting(delayed):
         fp8.delayed_site(fp8.E4M3, 0, 1, "max")
     with pytest.raises(ValueError, match="history-len must be >= 1"):
         fp8.reset_delayed_scaling() or fp8.delayed_site(fp8.E4M3, 0, 0, "max")
+
+
+def test_delayed_scaling_state_round_trip_and_mismatches(delayed):
+    sites = [fp8.delayed_site(fp8.E4M3, 0, 2, "max"), fp8.delayed_site(fp8.E5M2, 0, 2, "max")]
+    assert fp8.delayed_scaling_state() is None  # nothing quantized yet
+    for value in (3.0, 5.0):
+        fp8.delayed_scaling_step()
+        for site, dtype in zip(sites, (fp8.E4M3, fp8.E5M2)):
+            fp8.quantize(torch.full((16, 16), value).bfloat16(), dtype, 0, site=site)
+    saved = fp8.delayed_scaling_state()
+    assert saved["history"].device.type == "cpu" and saved["state"] == [fp8.DelayedScaling.READY] * 2
+    fp8.reset_delayed_scaling()
+    for _ in range(2):
+        fp8.delayed_site(fp8.E4M3, 0, 2, "max")  # E4M3 twice: the second site's format differs
+    assert "other formats or margins" in fp8.load_delayed_scaling_state(saved, torch.device("cpu"))
+    fp8.reset_delayed_scaling()
+    fp8.delayed_site(fp8.E4M3, 0, 1, "max"), fp8.delayed_site(fp8.E5M2, 0, 1, "max")
+    assert "--fp8-amax-history-len 2" in fp8.load_delayed_scaling_state(saved, torch.device("cpu"))
+    fp8.reset_delayed_scaling()
+    restored = [fp8.delayed_site(fp8.E4M3, 0, 2, "max"), fp8.delayed_site(fp8.E5M2, 0, 2, "max")]
+    assert fp8.load_delayed_scaling_state(saved, torch.device("cpu")) is None
+    fp8.delayed_scaling_step()  # the same scales as the saved run's next step: max(5, 3) over the history
+    _, _, inv = fp8.quantize(torch.ones(16, 16).bfloat16(), fp8.E4M3, 0, site=restored[0])
+    assert inv.item() == pytest.approx(5.0 / 448.0, rel=1e-7)

@@ -36,7 +36,8 @@ casts for the following steps (an atomic max into the history), which saves one 
 ``delayed_scaling_step()`` (called by the trainer at the start of each iteration, inside the CUDA graph when
 there is one) turns the history into the scales of the new step in a few kernels for all sites together, and
 rolls the history. A site uses current (tensorwise) scaling until its first amax has gone through such a step
-(its first iteration, and again after a resume: the history is not checkpointed). Values above the scale's
+(its first iteration); checkpoints keep the histories, so a resume continues with the same scales. Values above
+the scale's
 range saturate, as in Transformer Engine; a non-finite or zero amax keeps the site's previous scale (the step
 with the non-finite values is skipped by the non-finite-gradient check, since its casts carry the NaN).
 """
@@ -156,6 +157,31 @@ class DelayedScaling:
         self.history[0].zero_()
         self.state = [self.READY if st != self.UNUSED else st for st in self.state]
 
+    def state_dict(self) -> Optional[dict]:
+        """Histories, scales and site states (CPU tensors) for a checkpoint; None before the first quantization."""
+        if self.history is None:
+            return None
+        return {"history_len": self.history_len, "algo": self.algo, "fmax_over_margin": list(self.fmax_over_margin),
+                "state": list(self.state), "history": self.history.cpu(), "scale": self.scale.cpu(),
+                "scale_inv": self.scale_inv.cpu()}
+
+    def load_state_dict(self, saved: dict, device: torch.device) -> Optional[str]:
+        """Restore a checkpoint's state; returns None, or why it does not fit this run (the sites then start
+        with current scaling, as in a fresh run)."""
+        if not self.state:
+            return "this run has no delayed-scaling sites"
+        if saved["fmax_over_margin"] != self.fmax_over_margin:
+            return (f"the checkpoint has {len(saved['fmax_over_margin'])} sites of other formats or margins than "
+                    f"this run's {len(self.state)}")
+        if (saved["history_len"], saved["algo"]) != (self.history_len, self.algo):
+            return (f"it was saved with --fp8-amax-history-len {saved['history_len']} --fp8-amax-compute-algo "
+                    f"{saved['algo']}")
+        self._buffers(device)
+        for name in ("history", "scale", "scale_inv"):
+            getattr(self, name).copy_(saved[name])
+        self.state = list(saved["state"])
+        return None
+
 
 _DELAYED = DelayedScaling()
 
@@ -170,6 +196,16 @@ def delayed_scaling_step() -> None:
     """Called at the start of every training iteration: the delayed scales of the new step (a no-op without
     delayed-scaling sites, and before the first quantization)."""
     _DELAYED.step()
+
+
+def delayed_scaling_state() -> Optional[dict]:
+    """What a checkpoint keeps of delayed scaling (see ``DelayedScaling.state_dict``), or None."""
+    return _DELAYED.state_dict()
+
+
+def load_delayed_scaling_state(saved: dict, device: torch.device) -> Optional[str]:
+    """Restore ``delayed_scaling_state()`` from a checkpoint; None, or why it does not fit this run."""
+    return _DELAYED.load_state_dict(saved, device)
 
 
 def reset_delayed_scaling() -> None:
