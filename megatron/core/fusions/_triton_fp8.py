@@ -12,6 +12,10 @@ Computing the scale inside the cast saves a one-program launch per quantization 
 microbatch). ``scales`` (a separate one-program ``_scale_kernel``) and ``scaled_cast`` with a given scale remain
 for callers that need the scale alone or cast with a scale of their own.
 
+Delayed scaling (``--fp8-recipe delayed``) launches the cast alone: the scale comes from the site's history, and
+each program atomically maxes the amax of its tile into the site's slot for the following steps (the current
+scaling path records its amax the same way, once, when it belongs to a site).
+
 With ``gelu=True`` both passes read the first MLP GEMM's output ``x`` and quantize ``gelu(x + bias)``, rounded to
 ``x``'s dtype first (so the result is the same as quantizing the output of the bias+GeLU kernel): the GeLU output
 is never written in 16 bits. ``rows=False`` writes only the transposed copy (what the weight-gradient GEMM
