@@ -13,8 +13,9 @@ What stays on the host, outside the graph:
   for the loader;
 * the learning-rate schedule: the scheduler writes Python floats as usual; before each replay they are copied
   into the device tensors the captured optimizer reads (see "running ahead" below);
-* logging: the graph ends by averaging each loss statistic over the microbatches and packing those means,
-  ``found_inf`` and the grad norm into one small tensor; one asynchronous copy brings it to pinned host memory,
+* logging: the graph ends by averaging each loss statistic over the microbatches (the trainer's
+  ``microbatch_means``, as in the eager step) and packing those means, ``found_inf`` and the grad norm into one
+  small tensor; one asynchronous copy brings it to pinned host memory,
   the only read-back of a step.
 
 The first ``warmup_steps`` iterations run eagerly on a side stream (cuBLAS/cuDNN/Triton/torch.compile warm up and
@@ -58,7 +59,7 @@ class FullIterationCudaGraph:
 
     ``eager_step()`` is the trainer's ordinary step (returns ``(mean loss statistics, update_ok, grad_norm)``);
     ``captured_body(data_iterator)`` runs one step's GPU work without host synchronisation and returns
-    ``(microbatch stats, found_inf, grad_norm)`` as device tensors; ``torch_optimizer`` is the optimizer whose
+    ``(mean loss statistics {name: 0-dim tensor}, found_inf, grad_norm)``, all on the device; ``torch_optimizer`` is the optimizer whose
     ``lr`` the scheduler sets.
     """
 
@@ -151,11 +152,11 @@ class FullIterationCudaGraph:
                 skipped = self.last_found_inf > 0
                 for lr, if_ok, if_skipped in zip(self.lr_tensors, self.lr_if_ok, self.lr_if_skipped):
                     torch.where(skipped, if_skipped, if_ok, out=lr)
-                stats, found_inf, grad_norm = self.captured_body(_StaticBatches(self.static_batches))
+                means, found_inf, grad_norm = self.captured_body(_StaticBatches(self.static_batches))
                 self.last_found_inf.copy_(found_inf.reshape(()))
-                self.keys = list(stats[0]) if stats else []
-                means = [torch.stack([s[k].detach().float().reshape(()) for s in stats]).mean() for k in self.keys]
-                self.packed = torch.stack(means + [found_inf.float().reshape(()), grad_norm.float().reshape(())])
+                self.keys = list(means)
+                self.packed = torch.stack([*means.values(), found_inf.float().reshape(()),
+                                           grad_norm.float().reshape(())])
             self.packed_host = [torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
                                 for _ in range(2)]
         finally:

@@ -52,6 +52,13 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def microbatch_means(stats: list) -> dict:
+    """Each loss statistic's mean over the microbatches, as 0-dim fp32 device tensors ({} without stats)."""
+    if not stats:
+        return {}
+    return {key: torch.stack([s[key].detach().float().reshape(()) for s in stats]).mean() for key in stats[0]}
+
+
 def _dp_mean(value: torch.Tensor, pstate: ParallelState) -> torch.Tensor:
     if pstate.dp_size > 1:
         dist.all_reduce(value, group=pstate.dp_group)
@@ -108,13 +115,9 @@ class Trainer:
 
     def _reduce_losses(self, stats: list) -> dict:
         """Mean of each stat over microbatches (last stage), then over DP; returned on the last stage."""
-        if not self.pstate.is_pipeline_last_stage or not stats:
+        if not self.pstate.is_pipeline_last_stage:
             return {}
-        out = {}
-        for key in stats[0]:
-            value = torch.stack([s[key].detach().float().reshape(()) for s in stats]).mean()
-            out[key] = _dp_mean(value.clone(), self.pstate).item()
-        return out
+        return {key: _dp_mean(value.clone(), self.pstate).item() for key, value in microbatch_means(stats).items()}
 
     def _eager_step(self) -> tuple:
         self.optimizer.zero_grad()  # zeroes every chunk's grad buffer
@@ -129,7 +132,7 @@ class Trainer:
         delayed_scaling_step()
         stats = self._schedule([static_iterator], forward_only=False)
         found_inf, grad_norm = self.optimizer.step_without_sync()
-        return stats, found_inf, grad_norm
+        return microbatch_means(stats), found_inf, grad_norm
 
     def launch_step(self, ahead: bool = False):
         """Start one training step; ``finish_step`` reads its results. Eager, the whole step runs here. Under

@@ -190,3 +190,16 @@ def test_cuda_graph_accepts_mlp_act_recompute(monkeypatch):
     a = parse_args(BASE + ["--enable-cuda-graph", "--attention-dropout", "0", "--bf16", "--recompute-granularity",
                            "selective", "--recompute-modules", "mlp_act"], world_size=1)
     assert a.enable_cuda_graph and a.recompute_modules == ["mlp_act"] and a.cuda_graph_warmup_steps == 3
+
+
+def test_microbatch_means_are_what_the_eager_step_and_the_cuda_graph_report():
+    import torch
+
+    from megatron.training.training import microbatch_means
+
+    stats = [{"lm loss": torch.tensor(2.0, dtype=torch.bfloat16), "z": torch.tensor([1.0])},
+             {"lm loss": torch.tensor(3.0, dtype=torch.bfloat16), "z": torch.tensor([4.0])}]
+    means = microbatch_means(stats)
+    assert list(means) == ["lm loss", "z"] and all(v.dtype == torch.float32 and v.dim() == 0 for v in means.values())
+    assert means["lm loss"].item() == 2.5 and means["z"].item() == 2.5
+    assert microbatch_means([]) == {}
