@@ -12,15 +12,19 @@
 #   bash bench/gpu_session.sh multi [RESULTS_DIR]   needs 2 GPUs: the NCCL tests (TP, PP, and pretrain_gpt.py under
 #                                                   torchrun in every layout against one GPU) and bench/multi_gpu.py
 #                                                   (1.3B on 1 GPU, DP2, TP2+SP, PP2): ~5 min
+#   bash bench/gpu_session.sh ab BASE [TAG]         this tree against the checkout BASE (e.g. made with
+#                                                   git archive main | tar -x -C scratch/base), interleaved, two
+#                                                   rounds: ours-fp8 (delayed, CUDA graph) at both shapes and
+#                                                   ours (bf16, CUDA graph) at 124M; bench/results/ab_TAG: ~5 min
 #   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm and FP8-cast launch sweeps; the best
 #                                                   configurations are written into megatron/core/fusions/
 #                                                   _triton_layer_norm.py and _triton_fp8.py (commit them)
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?tests, table, recompute, check, multi or sweep}
-R=${2:-bench/results}
-mkdir -p "$R/logs"
+what=${1:?tests, table, recompute, check, multi, ab or sweep}
+R=${2:-bench/results}  # for ab: the baseline checkout
+[ "$what" = ab ] || mkdir -p "$R/logs"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 case "$what" in
   tests)
@@ -51,8 +55,14 @@ case "$what" in
     python bench/multi_gpu.py --results-dir "$R" | grep -E "^\|"
     python -m pytest -q tests/unit/tensor_parallel/test_tp_nccl.py tests/unit/pipeline_parallel/test_pp_nccl.py \
         tests/gpu/test_multi_gpu_training.py 2>&1 | tee "$R/gpu_tests_multi_gpu.log" | tail -3 ;;
+  ab)
+    [ $# -ge 2 ] || { echo "ab needs the baseline checkout BASE" >&2; exit 2; }
+    python bench/ab_trees.py --tree "base=$R" --tree new=. --rounds 2 --tag "${3:-latest}" \
+        --case "124m:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" \
+        --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" --case "124m:ours:--enable-cuda-graph" \
+        | grep -E "^\|" ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --apply-layer-norm --out "$R/kernel_sweep_ln.json" | tail -3
     python bench/kernel_sweep.py --only fp8 --apply-fp8 --out "$R/kernel_sweep_fp8.json" | tail -3 ;;
-  *) echo "unknown step $what (tests, table, recompute, check, multi or sweep)" >&2; exit 2 ;;
+  *) echo "unknown step $what (tests, table, recompute, check, multi, ab or sweep)" >&2; exit 2 ;;
 esac
