@@ -47,7 +47,8 @@ def squared_norm(grads: List[torch.Tensor], device) -> torch.Tensor:
             norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2.0)
         else:
             norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
-        total += torch.stack([n.double() for n in norms]).square().sum()
+        # one stack, then one cast: a cast per tensor was a kernel launch per parameter (148 at GPT-2 124M)
+        total += torch.stack(norms).to(torch.float64).square().sum()
     return total
 
 
