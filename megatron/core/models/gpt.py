@@ -37,8 +37,9 @@ class LanguageModelEmbedding(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        emb = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)  # [b, s, h]
-        emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
+        # looked up in [s, b] order, so the sum is [s, b, h] as it is made (no transposing copy of the activations,
+        # forward or backward)
+        emb = self.word_embeddings(input_ids.t()) + self.position_embeddings(position_ids.t())  # [s, b, h]
         if self.config.sequence_parallel:
             emb = tensor_parallel.scatter_to_sequence_parallel_region(emb, self.pstate.tp_group)  # [s/tp, b, h]
             with tensor_parallel.get_rng_tracker().fork():

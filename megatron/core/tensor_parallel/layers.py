@@ -308,7 +308,7 @@ class VocabParallelEmbedding(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [b, s]`` (int64) ``-> [b, s, h]``."""
+        """``ids [...]`` (int64, e.g. ``[s, b]``) ``-> [..., h]``."""
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)  # [b, s, h]
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # [b, s]
