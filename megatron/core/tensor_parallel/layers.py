@@ -310,12 +310,12 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` (int64, e.g. ``[s, b]``) ``-> [..., h]``."""
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)  # [b, s, h]
-        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # [b, s]
+            return F.embedding(ids, self.weight)  # [..., h]
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # [...]
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight)  # [b, s, h]
+        partial = F.embedding(local_ids, self.weight)  # [..., h]
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # [b, s, h]
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # [..., h]
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start_index}:"
