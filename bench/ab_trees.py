@@ -101,14 +101,17 @@ def main() -> None:
             f"{trees[0][0]} |", "|---|---|---|---|---|---|"]
     for shape, trainer, flags in cases:
         case = f"{shape} {trainer} {flags}".strip()
-        base = None
+        medians = {}
+        for name, _ in trees:
+            mine = [x["ms_per_iter"] for x in runs if x["case"] == case and x["tree"] == name and "error" not in x]
+            medians[name] = statistics.median(mine) if mine else None
+        base = medians[trees[0][0]]
         for name, _ in trees:
             mine = [x for x in runs if x["case"] == case and x["tree"] == name and "error" not in x]
             if not mine:
                 body.append(f"| {case} | {name} | failed | | | |")
                 continue
-            ms = statistics.median(x["ms_per_iter"] for x in mine)
-            base = ms if base is None and name == trees[0][0] else base
+            ms = medians[name]
             ratio = f"{base / ms:.3f}x" if base else "n/a"
             each = ", ".join(f"{x['ms_per_iter']:.2f}" for x in mine)
             body.append(f"| {case} | {name} | {each} | {ms:.2f} | "

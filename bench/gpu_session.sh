@@ -23,8 +23,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?tests, table, recompute, check, multi, ab or sweep}
-R=${2:-bench/results}  # for ab: the baseline checkout
-[ "$what" = ab ] || mkdir -p "$R/logs"
+R=${2:-bench/results}
+[ "$what" = ab ] || mkdir -p "$R/logs"  # ab's second argument is the baseline checkout, not a results folder
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 case "$what" in
   tests)
@@ -56,8 +56,8 @@ case "$what" in
     python -m pytest -q tests/unit/tensor_parallel/test_tp_nccl.py tests/unit/pipeline_parallel/test_pp_nccl.py \
         tests/gpu/test_multi_gpu_training.py 2>&1 | tee "$R/gpu_tests_multi_gpu.log" | tail -3 ;;
   ab)
-    [ $# -ge 2 ] || { echo "ab needs the baseline checkout BASE" >&2; exit 2; }
-    python bench/ab_trees.py --tree "base=$R" --tree new=. --rounds 2 --tag "${3:-latest}" \
+    base=${2:?ab needs the baseline checkout BASE}
+    python bench/ab_trees.py --tree "base=$base" --tree new=. --rounds 2 --tag "${3:-latest}" \
         --case "124m:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" \
         --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" --case "124m:ours:--enable-cuda-graph" \
         | grep -E "^\|" ;;
