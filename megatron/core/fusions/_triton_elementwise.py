@@ -192,20 +192,36 @@ def _colsum_partial_kernel(X, PART, OUT, COUNTER, M, N, ROW_TILES, R, ACCUMULATE
 
 
 @triton.jit
-def _colsum_finish_kernel(PART, OUT, R, N, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """OUT[cols] = sum over the R rows of the fp32 PART [R, N], cast to OUT's dtype (ACCUMULATE: added to the
-    fp32 OUT)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < N
+def _sum_rows(PART, OUT, R, N, cols, cmask, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+              BYPASS_L1: tl.constexpr):
+    """OUT[cols] = sum over the R rows of the fp32 PART [R, N] (BLOCK_R rows per load, then a tree over them),
+    cast to OUT's dtype (ACCUMULATE: added to the fp32 OUT)."""
     acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
     for r0 in range(0, R, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < R)[:, None] & cmask[None, :]
-        acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        if BYPASS_L1:
+            acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0,
+                           cache_modifier=".cg")
+        else:
+            acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
     if ACCUMULATE:
         total += tl.load(OUT + cols, mask=cmask, other=0.0)
     tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _colsum_finish_kernel(PART, OUT, PART2, OUT2, R, N, ACCUMULATE: tl.constexpr, ACCUMULATE2: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[cols] = sum over the R rows of the fp32 PART [R, N] (``_sum_rows``); the programs with
+    program_id(1) == 1 do the same for PART2 / OUT2 (a LayerNorm's two parameters in one launch)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if tl.program_id(1) == 0:
+        _sum_rows(PART, OUT, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N, False)
+    else:
+        _sum_rows(PART2, OUT2, R, N, cols, cmask, ACCUMULATE2, BLOCK_R, BLOCK_N, False)
 
 
 @triton.jit
@@ -221,16 +237,7 @@ def _finish_if_last(PART, OUT, COUNTER, R, N, cols, cmask, ACCUMULATE: tl.conste
     (the pattern of a grid-wide barrier). The loads bypass L1 (.cg)."""
     arrived = tl.atomic_add(COUNTER + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
     if arrived == R - 1:
-        acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            mask = (rows < R)[:, None] & cmask[None, :]
-            acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0,
-                           cache_modifier=".cg")
-        total = tl.sum(acc, axis=0)
-        if ACCUMULATE:
-            total += tl.load(OUT + cols, mask=cmask, other=0.0)
-        tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=cmask)
+        _sum_rows(PART, OUT, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N, True)
         tl.atomic_xchg(COUNTER + tl.program_id(0), 0)
 
 
@@ -299,10 +306,27 @@ def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype,
     _check_accumulator(accumulate_into, n, part.device)
     out = torch.empty(n, dtype=out_dtype, device=part.device) if accumulate_into is None else accumulate_into
     if n:
-        _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N),)](
-            part, out, rows, n, ACCUMULATE=accumulate_into is not None, BLOCK_R=_COLSUM_FINISH_BLOCK_R,
-            BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
+        _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N), 1)](
+            part, out, part, out, rows, n, ACCUMULATE=accumulate_into is not None, ACCUMULATE2=False,
+            BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
     return out if accumulate_into is None else None
+
+
+def sum_partial_rows_pair(part: torch.Tensor, out: torch.Tensor, accumulate: bool, part2: torch.Tensor,
+                          out2: torch.Tensor, accumulate2: bool) -> None:
+    """``out = part.sum(0)`` and ``out2 = part2.sum(0)`` (added to them with ``accumulate`` / ``accumulate2``,
+    fp32 outputs only then) for two contiguous fp32 ``[rows, n]`` partial arrays of one shape, in one launch;
+    ``out`` / ``out2`` come from ``param_grad_target``."""
+    rows, n = part.shape
+    if part2.shape != part.shape:
+        raise ValueError(f"sum_partial_rows_pair: shapes {tuple(part.shape)} and {tuple(part2.shape)} differ")
+    for o, acc in ((out, accumulate), (out2, accumulate2)):
+        if acc:
+            _check_accumulator(o, n, part.device)
+    if n:
+        _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N), 2)](
+            part, out, part2, out2, rows, n, ACCUMULATE=accumulate, ACCUMULATE2=accumulate2,
+            BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
 
 
 def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype,
