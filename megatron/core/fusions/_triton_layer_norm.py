@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.fusions._triton_elementwise import _sm_count, sum_partial_rows
+from megatron.core.fusions._triton_elementwise import (_sm_count, param_grad_result, param_grad_target,
+                                                       sum_partial_rows, sum_partial_rows_pair)
 from megatron.core.fusions.main_grad import reduce_param_grad
 
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
@@ -159,7 +160,12 @@ class LayerNormFunction(torch.autograd.Function):
                                     HAS_RES=dres2 is not None, BLOCK_M=block_m, BLOCK_N=ctx.block_n,
                                     num_warps=warps)
         w_param, b_param = ctx.params
-        dw = reduce_param_grad(w_param, lambda acc: sum_partial_rows(dw_part, weight.dtype, acc))
-        db = reduce_param_grad(b_param, lambda acc: sum_partial_rows(db_part, ctx.bias_dtype, acc)) \
-            if ctx.has_bias else None
+        if ctx.has_bias:  # gamma's and beta's gradients finished in one launch
+            dw_out, dw_acc = param_grad_target(w_param, n, weight.dtype, x2.device)
+            db_out, db_acc = param_grad_target(b_param, n, ctx.bias_dtype, x2.device)
+            sum_partial_rows_pair(dw_part, dw_out, dw_acc, db_part, db_out, db_acc)
+            dw, db = param_grad_result(w_param, dw_out, dw_acc), param_grad_result(b_param, db_out, db_acc)
+        else:
+            dw = reduce_param_grad(w_param, lambda acc: sum_partial_rows(dw_part, weight.dtype, acc))
+            db = None
         return dx.view(ctx.shape), dw, db, None, None, None
