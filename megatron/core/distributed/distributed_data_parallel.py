@@ -2,13 +2,14 @@
 
 Gradient life cycle of one iteration::
 
-    backward of each microbatch     param.grad --(post-accumulate-grad hook)--> param.main_grad += grad;
-                                    param.grad = None
+    backward of each microbatch     param.grad --(post-accumulate-grad hook)--> param.main_grad += grad
+                                    (= for the iteration's first); param.grad = None
     microbatches 1..n-1 (no_sync)   nothing else
     last microbatch                 with overlap_grad_reduce: each bucket launches its async reduction as
                                     soon as all its params' hooks fired
     finish_grad_sync()              launch what was not launched, wait for everything
-    zero_grad_buffer()              zero the buffer for the next iteration
+    zero_grad_buffer()              zero the buffer for the next iteration (but the linear weights' ranges,
+                                    whose first gradient is written, not added: grad_buffer.py)
 
 The reduction is a mean over the data-parallel group: an all-reduce, or a reduce-scatter under the
 distributed optimizer (DP rank r then holds the reduced grads of its shard; see ``grad_buffer.py``).
@@ -94,7 +95,10 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_hook(self, param: torch.nn.Parameter) -> None:
         """Move ``param.grad`` into ``param.main_grad``; under overlap, launch the bucket once it is complete."""
         if param.grad is not None:
-            param.main_grad.add_(param.grad)
+            if param.main_grad_is_zero:  # possibly stale (a lazily zeroed weight): write, do not add
+                param.main_grad.copy_(param.grad)
+            else:
+                param.main_grad.add_(param.grad)
             param.main_grad_is_zero = False
             param.grad = None
         if self.config.overlap_grad_reduce and self._sync_enabled:
@@ -120,14 +124,23 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._sync_enabled = previous
 
+    def settle_unwritten_grads(self) -> None:
+        """Zero the lazily zeroed main grads (``grad_buffer.py``) that no backward wrote in this iteration (a
+        parameter the iteration did not use): before anything reduces or reads the buffer."""
+        unwritten = [p.main_grad for buf in self.buffers for p in buf.lazy_params if p.main_grad_is_zero]
+        if unwritten:
+            torch._foreach_zero_(unwritten)
+
     def start_grad_sync(self) -> None:
         """Launch the asynchronous DP reduction of every bucket not yet launched."""
+        self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
                 buf.start_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket not yet launched and wait for all reductions (mean over DP)."""
+        self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
                 buf.finish_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
@@ -153,11 +166,12 @@ class DistributedDataParallel(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and forget per-iteration bucket state.
 
-        Each parameter is marked ``main_grad_is_zero``: a backward that computes the whole weight gradient in
-        fp32 (the FP8 linear) may then write it into ``main_grad`` instead of adding, and clears the mark.
+        Each parameter is marked ``main_grad_is_zero``: the first gradient of the iteration is then written into
+        ``main_grad`` instead of added, which clears the mark; the linear layers' weights are not zeroed here at
+        all (``lazy_grad_zero``, see ``grad_buffer.py``).
         """
         for buf in self.buffers:
-            buf.grad_data.zero_()
+            buf.zero_grads()
             for bucket in buf.buckets:
                 bucket.ready.clear()
         for p in self.param_to_buffer:

@@ -7,6 +7,13 @@ parameter never straddles two buckets. Under the distributed optimizer every buc
 of ``128 * dp_size`` elements and DP rank ``r`` owns the contiguous range
 ``[bucket.start + r * shard, bucket.start + (r + 1) * shard)`` of each bucket (with one bucket: a contiguous
 1/DP range of the buffer); a parameter that crosses a shard boundary is split by element range.
+
+Zeroing between iterations skips the parameters marked ``lazy_grad_zero`` (the linear layers' weights, whose
+gradient is written whole by their backward): their ranges keep the last iteration's values while the wrapper's
+``main_grad_is_zero`` mark says they count as zero, and every writer then writes instead of adding (the
+weight-gradient GEMMs, and the wrapper's hook for a ``.grad``). One still unwritten when the reduction starts
+is zeroed then (``DistributedDataParallel.settle_unwritten_grads``). The padding is zero from the start and
+nothing writes it but reductions of zeros.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class GradBuffer:
         for p in params:
             s, e = self.index[p]
             p.main_grad = self.grad_data[s:e].view(p.shape)
+            p.main_grad_is_zero = True  # as after DistributedDataParallel.zero_grad_buffer()
             if self.param_data is not None:
                 self.param_data[s:e].copy_(p.data.reshape(-1))
                 p.data = self.param_data[s:e].view(p.shape)
@@ -86,6 +94,25 @@ class GradBuffer:
             pd = self.param_data[s:e] if self.param_data is not None else None
             self.buckets.append(Bucket(len(self.buckets), params_b, s, e, self.grad_data[s:e], pd))
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
+        self.lazy_params = [p for p in params if getattr(p, "lazy_grad_zero", False)]
+        # the ranges zero_grads() clears: runs of adjacent parameters that are not zeroed lazily
+        runs: List[List[int]] = []
+        for p in params:
+            if getattr(p, "lazy_grad_zero", False):
+                continue
+            s, e = self.index[p]
+            if runs and runs[-1][1] == s:
+                runs[-1][1] = e
+            else:
+                runs.append([s, e])
+        self._eager_zero = [self.grad_data[s:e] for s, e in runs]
+
+    def zero_grads(self) -> None:
+        """Zero every main grad but those of the ``lazy_grad_zero`` parameters (module docstring)."""
+        if not self.lazy_params:
+            self.grad_data.zero_()
+        elif self._eager_zero:
+            torch._foreach_zero_(self._eager_zero)
 
     def _pad(self, n: int) -> int:
         if not self.sharded:

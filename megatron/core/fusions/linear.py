@@ -26,12 +26,22 @@ from megatron.core.fusions.main_grad import mark_added_to_main_grad
 from megatron.core.fusions.ops import bias_grad
 
 
-def _accumulate_wgrad(main_grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
-    """main_grad += dy2^T @ x2 with fp32 accumulation and output; one GEMM when the build supports out_dtype."""
+def _accumulate_wgrad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
+    """``weight.main_grad += dy2^T @ x2`` with fp32 accumulation and output (one GEMM when the build supports
+    out_dtype), or ``=`` when the data-parallel wrapper marked the buffer ``main_grad_is_zero`` (the first
+    gradient of the iteration: the GEMM writes and never reads the buffer, which may hold stale values, see
+    ``grad_buffer.py``); marks the weight (``mark_added_to_main_grad``)."""
+    main_grad = weight.main_grad
+    write = getattr(weight, "main_grad_is_zero", False)
     try:
-        torch.addmm(main_grad, dy2.t(), x2, out_dtype=torch.float32, out=main_grad)
-    except (RuntimeError, TypeError):  # builds without the mixed-dtype addmm: GEMM then add
-        main_grad.add_(torch.mm(dy2.t(), x2).float())
+        torch.addmm(main_grad, dy2.t(), x2, beta=0.0 if write else 1.0, out_dtype=torch.float32, out=main_grad)
+    except (RuntimeError, TypeError):  # builds without the mixed-dtype addmm: GEMM, then copy or add
+        g = torch.mm(dy2.t(), x2).float()
+        if write:
+            main_grad.copy_(g)
+        else:
+            main_grad.add_(g)
+    mark_added_to_main_grad(weight)
 
 
 class LinearWithGradAccumulation(torch.autograd.Function):
@@ -47,8 +57,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., in]
         dy2 = dy.reshape(-1, dy.shape[-1])  # [tokens, out]
-        _accumulate_wgrad(ctx.weight.main_grad, dy2, x.reshape(-1, x.shape[-1]))
-        mark_added_to_main_grad(ctx.weight)
+        _accumulate_wgrad(ctx.weight, dy2, x.reshape(-1, x.shape[-1]))
         dbias = bias_grad(dy2, bias_param=ctx.bias) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, None, dbias
 

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from megatron.core.fusions import fp8, ops
 from megatron.core.fusions.linear import _accumulate_wgrad
-from megatron.core.fusions.main_grad import mark_added_to_main_grad
 
 
 def _gelu_forward(x: torch.Tensor, bias: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
@@ -95,8 +94,7 @@ class BiasGeLULinearFunction(torch.autograd.Function):
             main_grad = getattr(ctx.weight, "main_grad", None)
             if ctx.accumulate_into_main_grad and main_grad is not None:
                 # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
-                _accumulate_wgrad(main_grad, d2, g2)
-                mark_added_to_main_grad(ctx.weight)
+                _accumulate_wgrad(ctx.weight, d2, g2)
                 dweight = None
             else:
                 dweight = d2.t().matmul(g2).to(weight.dtype)  # [h, ffn]

@@ -189,6 +189,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = _empty((self.output_size_per_partition, input_size), config)
             set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+            self.weight.lazy_grad_zero = True  # its gradient is written whole (distributed/grad_buffer.py)
         if bias:
             self.bias = _empty((self.output_size_per_partition,), config)
             set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
@@ -261,6 +262,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True")
         self.weight = _empty((output_size, self.input_size_per_partition), config)
         set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        self.weight.lazy_grad_zero = True  # its gradient is written whole (distributed/grad_buffer.py)
         self.fp8_sites = fp8_sites_for(config)
         if bias:
             self.bias = _empty((output_size,), config)
