@@ -242,16 +242,20 @@ def _finish_if_last(PART, OUT, COUNTER, R, N, cols, cmask, ACCUMULATE: tl.conste
 
 
 _COUNTERS: dict = {}
+_OUTGROWN_COUNTERS: list = []  # arrays replaced by larger ones: a captured CUDA graph may still use them
 
 
 def _block_counters(device: torch.device, blocks: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for ``_finish_if_last``, one per column block. One array per device and
     stream, kept and reused: each finishing program sets its counter back to zero, and kernels of one stream
-    run one after another."""
+    run one after another. An outgrown array is kept alive, never freed, so that a CUDA graph that captured it
+    does not replay into memory the allocator has handed to another tensor."""
     key = (device.index if device.index is not None else torch.cuda.current_device(),
            torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < blocks:
+        if counters is not None:
+            _OUTGROWN_COUNTERS.append(counters)
         counters = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
