@@ -1,12 +1,13 @@
-"""The GPU micro-benchmarks behind ``bench/gpu_throughput.py --kernels`` and ``--probe``.
+"""GPU micro-benchmarks of the fused kernels and of our model alone (forward+backward, no optimizer).
 
-- ``run_kernel_bench``: each fused op, forward+backward, against its eager (and optionally compiled) PyTorch
-  reference; writes ``gpu_kernels.{json,md}``.
-- ``run_model_probe``: our GPTModel alone (forward+backward, no optimizer) in several configurations, with an
-  optional profiler table.
+- ``kernels``: each fused op (bias+GeLU, bias+dropout+add, the vocabulary cross-entropy), forward+backward, against
+  its eager (and with ``--compiled`` its ``torch.compile``'d) PyTorch reference at the 1.3B shape; writes
+  ``bench/experiments/results/gpu_kernels.{json,md}``.
+- ``probe SHAPE:VARIANT[:profile]``: our GPTModel alone in one configuration (variants below), with an optional
+  profiler table; prints the result. Random tokens: a probe of the model's kernels, not a throughput figure.
 
-Split out of gpu_throughput.py (which keeps the throughput table and the command line); the shapes and the
-vocabulary are that file's.
+    python bench/experiments/kernel_probes.py kernels [--compiled]
+    python bench/experiments/kernel_probes.py probe 1.3b:eager-fused:profile
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ import json
 import os
 import time
 
-from gpu_throughput import SHAPES, VOCAB, environment
+import argparse
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.dirname(HERE))
+from gpu_throughput import SHAPES, VOCAB, environment  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
-# kernel micro-benchmark (``--kernels``): each fused op against its eager and compiled reference, fwd+bwd
+# kernel micro-benchmark: each fused op against its eager and compiled reference, fwd+bwd
 # ---------------------------------------------------------------------------------------------------------------
 def run_kernel_bench(results_dir: str, with_compiled: bool = False) -> list:
     import torch
@@ -100,7 +107,7 @@ def run_kernel_bench(results_dir: str, with_compiled: bool = False) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# model probe (``--probe``): our GPTModel alone, forward+backward, in several configurations, plus a profile
+# model probe: our GPTModel alone, forward+backward, in several configurations, plus a profile
 # ---------------------------------------------------------------------------------------------------------------
 PROBE_VARIANTS = {
     "eager-fused": dict(use_fused_kernels=True, compile=False, fused_ce=True),
@@ -169,3 +176,35 @@ def run_model_probe(shape_name: str, variant: str, iters: int, warmup: int, prof
             f.write(f"{variant} {shape_name}: {res}\n")
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80))
     return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels", help="fused ops against their PyTorch references")
+    k.add_argument("--compiled", action="store_true", help="also the torch.compile'd references")
+    k.add_argument("--results-dir", default=os.path.join(HERE, "results"))
+    p = sub.add_parser("probe", help="our GPTModel alone, forward+backward")
+    p.add_argument("spec", help=f"SHAPE:VARIANT[:profile], variants: {', '.join(PROBE_VARIANTS)}")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-path", default="profile_probe.txt")
+    a = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/experiments/kernel_probes.py runs on a GPU: no CUDA device is visible")
+    if a.what == "kernels":
+        os.makedirs(a.results_dir, exist_ok=True)
+        run_kernel_bench(a.results_dir, a.compiled)
+        return
+    shape, _, rest = a.spec.partition(":")
+    variant, _, prof = rest.partition(":")
+    if shape not in SHAPES or variant not in PROBE_VARIANTS:
+        raise SystemExit(f"probe {a.spec!r}: expected SHAPE:VARIANT[:profile] with SHAPE in {', '.join(SHAPES)} "
+                         f"and VARIANT in {', '.join(PROBE_VARIANTS)}")
+    print(json.dumps(run_model_probe(shape, variant, a.iters, a.warmup, a.profile_path if prof else "")))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,7 @@ For each GEMM layer of the two model shapes of bench/gpu_throughput.py (tokens =
 does), in bf16 (``linear_with_grad_accumulation_fusion``) and in FP8 hybrid (``fp8_linear``), and times the
 pieces of the FP8 path (amax, cast, each GEMM) alone. Writes ``fp8_linear.{json,md}``.
 
-    python bench/fp8_linear.py [--results-dir bench/results]
+    python bench/experiments/fp8_linear.py [--results-dir bench/experiments/results]
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository
+sys.path.insert(0, os.path.dirname(HERE))  # bench/ (results_io)
 from results_io import run_meta, write_results  # noqa: E402
 
 from megatron.core.fusions import fp8  # noqa: E402

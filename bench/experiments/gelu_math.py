@@ -9,7 +9,8 @@ under several launch configurations (BLOCK_M, BLOCK_N, num_warps, programs per S
 benchmark models ([16384, 8192] at 1.3B, [16384, 3072] at 124M). Also prints the max abs error of modes 0 and 3
 against float64 over [-8, 8].
 
-    PYTHONPATH=. python bench/gelu_math.py bench/results/gelu_math.json   # then --md to render the table
+    PYTHONPATH=. python bench/experiments/gelu_math.py bench/experiments/results/gelu_math.json
+    PYTHONPATH=. python bench/experiments/gelu_math.py --md bench/experiments/results/gelu_math.json OUT.md
 """
 import torch, triton, triton.language as tl, json, sys
 from triton.testing import do_bench_cudagraph

@@ -6,7 +6,7 @@ difference between seeds. For each layout we train the same tiny GPT with severa
 loss over the last iterations with Welch's t statistic, and report the per-iteration gap between the two mean
 curves next to the seed-to-seed standard deviation.
 
-    python bench/tp_dropout_check.py --seeds 4 --iters 60   # writes bench/results/tp_dropout.md
+    python bench/experiments/tp_dropout_check.py --seeds 4 --iters 60   # writes results/tp_dropout.md here
 """
 
 import argparse
@@ -17,7 +17,8 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository
 from tests.functional.harness import gpt_args, losses, preprocess_quickstart_corpus  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def main():
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--window", type=int, default=20)
-    ap.add_argument("--out", default="bench/results/tp_dropout.md")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "tp_dropout.md"))
     a = ap.parse_args()
     data = preprocess_quickstart_corpus(tempfile.mkdtemp())
     curves = {}
