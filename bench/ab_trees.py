@@ -1,4 +1,4 @@
-"""Our trainer's speed in two or more source trees, interleaved in one GPU session (an A/B of a change).
+"""Our trainer's speed in two or more source trees, interleaved in one run on the GPU (an A/B of a change).
 
 Each tree is a checkout of the project (a git worktree, or ``git archive REF | tar -x -C DIR`` for a copy that
 travels with the working tree, e.g. to the GPU machine). For every case and round, each tree's own

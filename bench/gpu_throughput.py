@@ -1,4 +1,4 @@
-"""Throughput and MFU of our trainer against its peers, on identical shapes and tokens, in one GPU session.
+"""Throughput and MFU of our trainer against its peers, on identical shapes and tokens, in one run on one GPU.
 
 Trainers (``--trainers``, comma-separated):
   ours              pretrain_gpt.py as a subprocess; its iteration log lines are parsed and the first ``--warmup``

@@ -2,7 +2,7 @@
 
 Each layout runs pretrain_gpt.py under ``torchrun --nproc_per_node N`` on the bundled corpus (tokenised with
 tools/preprocess_data.py, ``bench/corpus.py``), with the flags of ``bench/gpu_throughput.py``'s ``ours`` rows; a one-GPU row of the
-same shape runs in the same session as the baseline. Layouts (``--layout NAME:NPROC:MICRO:GLOBAL:FLAGS``, repeat;
+same shape runs in the same call as the baseline. Layouts (``--layout NAME:NPROC:MICRO:GLOBAL:FLAGS``, repeat;
 the defaults below when none is given):
 
   1gpu     1 GPU, the recorded one-GPU 1.3B configuration (selective ``mlp_act`` recomputation in 12 layers)
