@@ -50,7 +50,7 @@ def test_maintained_scripts_start():
     assert not failed, failed
 
 
-def test_session_driver_parses():
+def test_gpu_driver_script_parses():
     proc = subprocess.run(["bash", "-n", os.path.join(BENCH, "gpu_session.sh")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
