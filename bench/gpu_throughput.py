@@ -248,7 +248,10 @@ def run_ours_wrapper(argv: list) -> None:
 
         start, count = (int(x) for x in prof_spec.split(":"))
         out_dir = os.environ.get("BENCH_PROFILE_DIR", ".")
-        original = training_mod.Trainer.launch_step
+        original = getattr(getattr(training_mod, "Trainer", None), "launch_step", None)
+        if original is None:
+            raise SystemExit("BENCH_PROFILE: megatron.training.training.Trainer.launch_step (where one training "
+                             "step starts) is not there; point the profiling hook at the function that starts a step")
         state = {"n": 0, "prof": None}
 
         def sync():

@@ -98,3 +98,49 @@ def test_minimal_gpt_trains_on_the_corpus_on_cpu(corpus_prefix):
     assert len(res["losses"]) == 3 and res["ms_per_iter"] > 0
     # an untrained GPT over a 50,304-row vocabulary starts near ln(50304) = 10.83
     assert all(math.isfinite(x) and abs(x - math.log(50304)) < 1.0 for x in res["losses"])
+
+
+def test_kernel_sweep_picks_the_lowest_summed_slowdown():
+    """The sweep prints, per configuration table, the candidate whose time over the best time, summed over the
+    swept tensors, is lowest: here B (1.0 + 1.1) beats A (1.0 + 1.5) and C (2.0 + 1.0)."""
+    sys.path.insert(0, BENCH)
+    try:
+        import kernel_sweep
+    finally:
+        sys.path.remove(BENCH)
+    rows = [
+        {"key": "COLSUM_CONFIG", "best_ms": 1.0,
+         "all": [{"config": {"b": "A"}, "ms": 1.0}, {"config": {"b": "B"}, "ms": 1.0}, {"config": {"b": "C"}, "ms": 2.0}]},
+        {"key": "COLSUM_CONFIG", "best_ms": 2.0,
+         "all": [{"config": {"b": "A"}, "ms": 3.0}, {"config": {"b": "B"}, "ms": 2.2}, {"config": {"b": "C"}, "ms": 2.0}]},
+        {"key": "AMAX_CONFIG", "best_ms": 1.0, "all": [{"config": {"b": "Z"}, "ms": 1.0}]},
+    ]
+    assert kernel_sweep.choose_colsum(rows) == {"b": "B"}
+    assert kernel_sweep.choose_fp8(rows) == {"AMAX_CONFIG": {"b": "Z"}}
+    assert kernel_sweep.config_line("COLSUM_CONFIG", {"block_m": 16, "num_warps": 8}) == \
+        'COLSUM_CONFIG = {"block_m": 16, "num_warps": 8}'
+
+
+def test_kernel_sweep_layer_norm_choice_and_min_width():
+    """LayerNorm: the forward and backward configurations are chosen separately; ``min_width`` is the narrowest
+    width where ours beat PyTorch, raised above any wider width where it lost."""
+    sys.path.insert(0, BENCH)
+    try:
+        import kernel_sweep
+    finally:
+        sys.path.remove(BENCH)
+
+    def rows(shape, fwd, both, eager):  # fwd / both: {config: ms}
+        return [{"shape": shape, "op": "layer_norm fwd [t,h]", "default_ms": fwd[(1, 1)], "best_ms": min(fwd.values()),
+                 "all": [{"config": list(c), "ms": t} for c, t in fwd.items()], "eager_ms": None},
+                {"shape": shape, "op": "layer_norm fwd+bwd [t,h]", "default_ms": both[(1, 1, 1)],
+                 "best_ms": min(both.values()), "all": [{"config": list(c), "ms": t} for c, t in both.items()],
+                 "eager_ms": eager}]
+
+    sweep = (rows("1.3b", {(1, 1): 0.05, (2, 2): 0.04}, {(1, 1, 1): 0.15, (2, 2, 2): 0.12}, 0.20)
+             + rows("124m", {(1, 1): 0.02, (2, 2): 0.015}, {(1, 1, 1): 0.09, (2, 2, 2): 0.07}, 0.06))
+    choice = kernel_sweep.choose_layer_norm(sweep)
+    assert tuple(choice["fwd"]) == (2, 2) and tuple(choice["bwd"]) == (2, 2, 2)
+    # 124m (h 768): ours 0.07 - 0.02 + 0.015 = 0.065 against PyTorch's 0.06, a loss; 1.3b (h 2048) a win
+    assert choice["min_width"] == 2048
+    assert kernel_sweep.layer_norm_line(choice) == 'LN_CONFIG = {"min_width": 2048, "fwd": (2, 2), "bwd": (2, 2, 2)}'
