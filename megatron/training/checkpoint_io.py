@@ -1,0 +1,431 @@
+"""Durable, verifiable checkpoint files: the file-system half of saving and loading a checkpoint.
+
+A checkpoint folder (``ROOT/iter_0000100``) is written in this order, and each step only starts when the
+previous one is on disk:
+
+1. every writer saves its files with ``save_file`` / ``save_torch``: temporary name ``NAME.tmp.HOST.PID`` in the
+   same folder, flush + fsync, rename, fsync of the folder; the SHA-256 of the bytes is computed on the
+   writer's thread while they are written and returned as a ``FileRecord``;
+2. all records reach one rank (``gather_records``), which writes ``iter_.../manifest.json`` (the same way):
+   a checkpoint folder without a manifest is incomplete;
+3. only then does the tracker file move (``write_text_durable``).
+
+At load, ``verify_checkpoint`` re-hashes the files a rank is about to read and raises ``CheckpointCorruptError``
+naming the file and the iteration on a missing, truncated or altered file; ``find_intact_checkpoint`` walks back
+to the newest checkpoint whose files all match. OS errors while writing (disk full, permission, read-only file
+system) become one ``CheckpointIOError`` line with the path; the partial temporary file is removed and nothing
+already on disk is touched. ``remove_stale_temp_files``, ``check_save_dir_writable`` and ``prune_checkpoints``
+keep the folder clean and fail early.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+HASH_ALGORITHM = "sha256"  # hardware-accelerated in OpenSSL on current x86/ARM CPUs; see docs/reliability.md
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+# NAME.tmp.HOST.PID (this module) or NAME.tmp.PID (older writers, host unknown)
+TEMP_NAME = re.compile(r"^(?P<base>.+?)\.tmp\.(?:(?P<host>[^/]+)\.)?(?P<pid>\d+)$")
+
+_READ_CHUNK = 8 << 20
+_in_flight: set = set()  # temporary paths this process is writing right now
+
+
+class CheckpointIOError(RuntimeError):
+    """A checkpoint could not be written or read; the message is one line naming the path."""
+
+
+class CheckpointCorruptError(CheckpointIOError):
+    """A checkpoint file is missing or differs from the checksum recorded when it was saved."""
+
+    def __init__(self, message: str, path: str, iteration: Optional[int]):
+        super().__init__(message)
+        self.path = path
+        self.iteration = iteration
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One written file: its path relative to the checkpoint folder, its size and its digest."""
+
+    relpath: str
+    size: int
+    digest: str
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+_REASONS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "read-only file system",
+    errno.EIO: "input/output error",
+}
+
+
+def describe_os_error(exc: OSError, path: str, action: str = "writing") -> str:
+    """``no space left on device while writing PATH`` and the like: one line, the reason first."""
+    reason = _REASONS.get(exc.errno, exc.strerror or type(exc).__name__)
+    return f"{reason} while {action} {path}"
+
+
+# ---- durable writes -----------------------------------------------------------------------------------------
+def hostname() -> str:
+    return socket.gethostname() or "localhost"
+
+
+def temp_path(path: str) -> str:
+    return f"{path}.tmp.{hostname()}.{os.getpid()}"
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or creation inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems refuse fsync on a directory; the data fsync still holds
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """``os.makedirs`` that fsyncs the parent of every folder it creates."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise CheckpointIOError(describe_os_error(exc, folder, "creating")) from exc
+        fsync_dir(os.path.dirname(folder))
+
+
+class _HashingWriter:
+    """A write-only file object that hashes and counts every byte on its way to the real file."""
+
+    def __init__(self, f: BinaryIO):
+        self._f = f
+        self.hash = hashlib.new(HASH_ALGORITHM)
+        self.size = 0
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            written = self._f.write(view)
+        except OSError as exc:  # kept: some serializers wrap it in another exception type
+            self.error = exc
+            raise
+        self.hash.update(view)
+        self.size += view.nbytes
+        return written if written is not None else view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+def save_file(ckpt_dir: str, relpath: str, write: Callable[[BinaryIO], None]) -> FileRecord:
+    """Write ``ckpt_dir/relpath`` durably through ``write(file)``; return its ``FileRecord``.
+
+    ``write`` receives a write-only, non-seekable file object (``torch.save`` accepts it). On any failure the
+    temporary file is removed and an existing file under the final name stays as it was; an ``OSError``
+    becomes one ``CheckpointIOError`` line (``no space left on device while writing PATH``).
+    """
+    path = os.path.join(ckpt_dir, relpath)
+    makedirs_durable(os.path.dirname(path))
+    tmp = temp_path(path)
+    _in_flight.add(tmp)
+    writer = None
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            write(writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+    except BaseException as exc:
+        _remove_quietly(tmp)
+        cause = exc if isinstance(exc, OSError) else (writer.error if writer is not None else None)
+        if cause is not None and not isinstance(exc, CheckpointIOError):
+            raise CheckpointIOError(describe_os_error(cause, path)) from exc
+        raise
+    finally:
+        _in_flight.discard(tmp)
+    return FileRecord(relpath.replace(os.sep, "/"), writer.size, writer.hash.hexdigest())
+
+
+def save_torch(obj, ckpt_dir: str, relpath: str) -> FileRecord:
+    """``torch.save(obj)`` into ``ckpt_dir/relpath`` through ``save_file``."""
+    import torch
+
+    return save_file(ckpt_dir, relpath, lambda f: torch.save(obj, f))
+
+
+def write_text_durable(path: str, text: str) -> None:
+    """Replace a small text file (the tracker) atomically and durably."""
+    folder = os.path.dirname(path) or "."
+    save_file(folder, os.path.basename(path), lambda f: f.write(text.encode()))
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+# ---- manifest -----------------------------------------------------------------------------------------------
+def gather_records(records: Sequence[FileRecord], group=None) -> List[FileRecord]:
+    """Every rank's records, on every rank (a collective when torch.distributed is initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(records)
+    parts: List[Optional[list]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, [(r.relpath, r.size, r.digest) for r in records], group=group)
+    return [FileRecord(*t) for part in parts for t in part]
+
+
+def write_manifest(ckpt_dir: str, iteration: int, records: Iterable[FileRecord]) -> str:
+    """Write ``ckpt_dir/manifest.json`` (after every file it lists is on disk); it marks the folder complete."""
+    files: Dict[str, dict] = {}
+    for r in records:
+        if r.relpath in files and files[r.relpath]["digest"] != r.digest:
+            raise CheckpointIOError(f"two writers wrote different {os.path.join(ckpt_dir, r.relpath)}")
+        files[r.relpath] = {"size": r.size, "digest": r.digest}
+    body = {"format": MANIFEST_FORMAT, "iteration": int(iteration), "algorithm": HASH_ALGORITHM,
+            "files": dict(sorted(files.items()))}
+    save_file(ckpt_dir, MANIFEST, lambda f: f.write(json.dumps(body, indent=1).encode()))
+    return os.path.join(ckpt_dir, MANIFEST)
+
+
+def read_manifest(ckpt_dir: str, iteration: Optional[int] = None) -> Optional[dict]:
+    """The manifest of ``ckpt_dir``, or None when it has none (incomplete, or saved without manifests)."""
+    path = os.path.join(ckpt_dir, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            body = json.loads(f.read().decode())
+        files, algorithm = body["files"], body["algorithm"]
+        hashlib.new(algorithm)
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"checkpoint iteration {iteration}: manifest {path} is unreadable "
+                                     f"({type(exc).__name__}: {exc})", path, iteration) from exc
+    except OSError as exc:
+        raise CheckpointIOError(describe_os_error(exc, path, "reading")) from exc
+    return body
+
+
+def file_digest(path: str, algorithm: str = HASH_ALGORITHM) -> str:
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_READ_CHUNK)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def verify_checkpoint(ckpt_dir: str, iteration: Optional[int], relpaths: Optional[Sequence[str]] = None) -> bool:
+    """Check ``relpaths`` (default: every file of the manifest) against the manifest.
+
+    Returns False when the folder has no manifest (nothing to check against: an older checkpoint); True when
+    every file matches. Raises ``CheckpointCorruptError`` naming the first missing or differing file.
+    """
+    manifest = read_manifest(ckpt_dir, iteration)
+    if manifest is None:
+        return False
+    where = f"checkpoint iteration {iteration}"
+    if iteration is not None and manifest.get("iteration") != iteration:
+        path = os.path.join(ckpt_dir, MANIFEST)
+        raise CheckpointCorruptError(f"{where}: manifest {path} belongs to iteration {manifest.get('iteration')}",
+                                     path, iteration)
+    files = manifest["files"]
+    for rel in (files if relpaths is None else [r.replace(os.sep, "/") for r in relpaths]):
+        path = os.path.join(ckpt_dir, rel)
+        if rel not in files:
+            raise CheckpointCorruptError(f"{where}: {path} is not listed in the manifest "
+                                         f"{os.path.join(ckpt_dir, MANIFEST)}", path, iteration)
+        want = files[rel]
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: file {path} is missing", path, iteration) from None
+        if size != want["size"]:
+            raise CheckpointCorruptError(f"{where}: file {path} has {size} bytes, {want['size']} were saved "
+                                         "(truncated or overwritten)", path, iteration)
+        try:
+            digest = file_digest(path, manifest["algorithm"])
+        except OSError as exc:
+            raise CheckpointIOError(describe_os_error(exc, path, "reading")) from exc
+        if digest != want["digest"]:
+            raise CheckpointCorruptError(f"{where}: file {path} is corrupt (its {manifest['algorithm']} differs "
+                                         "from the one recorded when it was saved)", path, iteration)
+    return True
+
+
+# ---- the checkpoint root ------------------------------------------------------------------------------------
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def list_iterations(root: str) -> List[int]:
+    """Iterations of the ``iter_NNNNNNN`` folders under ``root``, ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = (ITER_DIR.match(n) for n in names)
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def find_intact_checkpoint(root: str, below: Optional[int] = None,
+                           log: Optional[Callable[[str], None]] = None) -> Optional[int]:
+    """The newest iteration (< ``below`` when given) whose folder has a manifest and matches it; else None.
+
+    Every file is re-hashed, so this is meant for the fallback path, on one rank, with the answer broadcast.
+    """
+    for iteration in reversed(list_iterations(root)):
+        if below is not None and iteration >= below:
+            continue
+        folder = iteration_dir(root, iteration)
+        try:
+            if verify_checkpoint(folder, iteration):
+                return iteration
+            if log:
+                log(f"checkpoint iteration {iteration} in {folder} has no manifest (incomplete); skipped")
+        except CheckpointIOError as exc:
+            if log:
+                log(f"{exc}; skipped")
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (one owned by another user counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_files(root: str, quiescent: bool = False, max_depth: int = 3) -> List[str]:
+    """Remove ``*.tmp.[HOST.]PID`` files under ``root`` left by savers that died; return their paths.
+
+    A file of this host (or of an older writer that did not record its host) is stale when its process is not
+    alive, or when it carries this process's id but this process is not writing it (a restarted container
+    reuses ids). A file of another host is only removed when ``quiescent`` is True: the caller guarantees that
+    no save of this run is in flight (all ranks passed the post-save barrier) and the run lock keeps other runs
+    out.
+    """
+    removed = []
+    me, here = os.getpid(), hostname()
+    root = os.path.abspath(root)
+    base_depth = root.rstrip(os.sep).count(os.sep)
+    for folder, dirs, names in os.walk(root):
+        if folder.count(os.sep) - base_depth >= max_depth:
+            dirs[:] = []
+        for name in names:
+            m = TEMP_NAME.match(name)
+            if not m:
+                continue
+            path = os.path.join(folder, name)
+            pid, host = int(m.group("pid")), m.group("host")
+            if host is None or host == here:
+                stale = path not in _in_flight and (pid == me or not pid_alive(pid))
+            else:
+                stale = quiescent
+            if stale:
+                try:
+                    os.remove(path)
+                    removed.append(path)
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+def check_save_dir_writable(root: str, flag: str = "--save") -> int:
+    """Create ``root`` if needed and write, fsync and remove a probe file in it; return the free bytes.
+
+    Raises ``CheckpointIOError`` (``cannot write to the --save folder ROOT: read-only file system ...``) so a
+    run fails before training rather than at its first save.
+    """
+    try:
+        makedirs_durable(root)
+    except CheckpointIOError as exc:
+        raise CheckpointIOError(f"cannot create the {flag} folder {root}: {exc}") from exc
+    probe = os.path.join(root, f".write_probe.tmp.{hostname()}.{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _remove_quietly(probe)
+        raise CheckpointIOError(f"cannot write to the {flag} folder {root}: "
+                                f"{describe_os_error(exc, probe)}") from exc
+    _remove_quietly(probe)
+    return shutil.disk_usage(root).free
+
+
+def prune_checkpoints(root: str, keep_last: int, tracker_iteration: int) -> List[str]:
+    """Keep the checkpoint the tracker names and the ``keep_last - 1`` newest complete ones before it.
+
+    Folders older than the tracker's that are not kept are removed (a failed, manifest-less save among them
+    too); folders newer than the tracker's are never touched. A folder loses its manifest first, so a removal
+    cut short leaves an incomplete folder, never one that looks complete. Returns the removed folders.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    older = [i for i in list_iterations(root) if i < tracker_iteration]
+    complete = [i for i in older if os.path.isfile(os.path.join(iteration_dir(root, i), MANIFEST))]
+    pool = complete if complete else older  # no manifests at all: checkpoints of an older writer
+    keep = set(sorted(pool)[max(0, len(pool) - (keep_last - 1)):]) if keep_last > 1 else set()
+    removed = []
+    for iteration in older:
+        if iteration in keep:
+            continue
+        folder = iteration_dir(root, iteration)
+        manifest = os.path.join(folder, MANIFEST)
+        if os.path.exists(manifest):
+            os.remove(manifest)
+            fsync_dir(folder)
+        shutil.rmtree(folder)
+        removed.append(folder)
+    if removed:
+        fsync_dir(root)
+    return removed
