@@ -14,8 +14,8 @@ At load, ``verify_checkpoint`` re-hashes the files a rank is about to read and r
 naming the file and the iteration on a missing, truncated or altered file; ``find_intact_checkpoint`` walks back
 to the newest checkpoint whose files all match. OS errors while writing (disk full, permission, read-only file
 system) become one ``CheckpointIOError`` line with the path; the partial temporary file is removed and nothing
-already on disk is touched. ``remove_stale_temp_files``, ``check_save_dir_writable`` and ``prune_checkpoints``
-keep the folder clean and fail early.
+already on disk is touched. ``checkpoint_cleanup`` keeps the folder clean (stale temporary files, pruning) and
+checks it is writable at start-up.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence
@@ -34,11 +33,9 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_ALGORITHM = "sha256"  # hardware-accelerated in OpenSSL on current x86/ARM CPUs; see docs/reliability.md
 ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-# NAME.tmp.HOST.PID (this module) or NAME.tmp.PID (older writers, host unknown)
-TEMP_NAME = re.compile(r"^(?P<base>.+?)\.tmp\.(?:(?P<host>[^/]+)\.)?(?P<pid>\d+)$")
 
 _READ_CHUNK = 8 << 20
-_in_flight: set = set()  # temporary paths this process is writing right now
+IN_FLIGHT: set = set()  # temporary paths this process is writing right now (kept by cleanup)
 
 
 class CheckpointIOError(RuntimeError):
@@ -158,7 +155,7 @@ def save_file(ckpt_dir: str, relpath: str, write: Callable[[BinaryIO], None]) ->
     path = os.path.join(ckpt_dir, relpath)
     makedirs_durable(os.path.dirname(path))
     tmp = temp_path(path)
-    _in_flight.add(tmp)
+    IN_FLIGHT.add(tmp)
     writer = None
     try:
         with open(tmp, "wb") as f:
@@ -169,13 +166,13 @@ def save_file(ckpt_dir: str, relpath: str, write: Callable[[BinaryIO], None]) ->
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
     except BaseException as exc:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
         cause = exc if isinstance(exc, OSError) else (writer.error if writer is not None else None)
         if cause is not None and not isinstance(exc, CheckpointIOError):
             raise CheckpointIOError(describe_os_error(cause, path)) from exc
         raise
     finally:
-        _in_flight.discard(tmp)
+        IN_FLIGHT.discard(tmp)
     return FileRecord(relpath.replace(os.sep, "/"), writer.size, writer.hash.hexdigest())
 
 
@@ -192,7 +189,7 @@ def write_text_durable(path: str, text: str) -> None:
     save_file(folder, os.path.basename(path), lambda f: f.write(text.encode()))
 
 
-def _remove_quietly(path: str) -> None:
+def remove_quietly(path: str) -> None:
     try:
         os.remove(path)
     except OSError:
@@ -326,106 +323,3 @@ def find_intact_checkpoint(root: str, below: Optional[int] = None,
             if log:
                 log(f"{exc}; skipped")
     return None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host (one owned by another user counts as alive)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temp_files(root: str, quiescent: bool = False, max_depth: int = 3) -> List[str]:
-    """Remove ``*.tmp.[HOST.]PID`` files under ``root`` left by savers that died; return their paths.
-
-    A file of this host (or of an older writer that did not record its host) is stale when its process is not
-    alive, or when it carries this process's id but this process is not writing it (a restarted container
-    reuses ids). A file of another host is only removed when ``quiescent`` is True: the caller guarantees that
-    no save of this run is in flight (all ranks passed the post-save barrier) and the run lock keeps other runs
-    out.
-    """
-    removed = []
-    me, here = os.getpid(), hostname()
-    root = os.path.abspath(root)
-    base_depth = root.rstrip(os.sep).count(os.sep)
-    for folder, dirs, names in os.walk(root):
-        if folder.count(os.sep) - base_depth >= max_depth:
-            dirs[:] = []
-        for name in names:
-            m = TEMP_NAME.match(name)
-            if not m:
-                continue
-            path = os.path.join(folder, name)
-            pid, host = int(m.group("pid")), m.group("host")
-            if host is None or host == here:
-                stale = path not in _in_flight and (pid == me or not pid_alive(pid))
-            else:
-                stale = quiescent
-            if stale:
-                try:
-                    os.remove(path)
-                    removed.append(path)
-                except FileNotFoundError:
-                    pass
-    return removed
-
-
-def check_save_dir_writable(root: str, flag: str = "--save") -> int:
-    """Create ``root`` if needed and write, fsync and remove a probe file in it; return the free bytes.
-
-    Raises ``CheckpointIOError`` (``cannot write to the --save folder ROOT: read-only file system ...``) so a
-    run fails before training rather than at its first save.
-    """
-    try:
-        makedirs_durable(root)
-    except CheckpointIOError as exc:
-        raise CheckpointIOError(f"cannot create the {flag} folder {root}: {exc}") from exc
-    probe = os.path.join(root, f".write_probe.tmp.{hostname()}.{os.getpid()}")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, b"\0" * 4096)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        _remove_quietly(probe)
-        raise CheckpointIOError(f"cannot write to the {flag} folder {root}: "
-                                f"{describe_os_error(exc, probe)}") from exc
-    _remove_quietly(probe)
-    return shutil.disk_usage(root).free
-
-
-def prune_checkpoints(root: str, keep_last: int, tracker_iteration: int) -> List[str]:
-    """Keep the checkpoint the tracker names and the ``keep_last - 1`` newest complete ones before it.
-
-    Folders older than the tracker's that are not kept are removed (a failed, manifest-less save among them
-    too); folders newer than the tracker's are never touched. A folder loses its manifest first, so a removal
-    cut short leaves an incomplete folder, never one that looks complete. Returns the removed folders.
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    older = [i for i in list_iterations(root) if i < tracker_iteration]
-    complete = [i for i in older if os.path.isfile(os.path.join(iteration_dir(root, i), MANIFEST))]
-    pool = complete if complete else older  # no manifests at all: checkpoints of an older writer
-    keep = set(sorted(pool)[max(0, len(pool) - (keep_last - 1)):]) if keep_last > 1 else set()
-    removed = []
-    for iteration in older:
-        if iteration in keep:
-            continue
-        folder = iteration_dir(root, iteration)
-        manifest = os.path.join(folder, MANIFEST)
-        if os.path.exists(manifest):
-            os.remove(manifest)
-            fsync_dir(folder)
-        shutil.rmtree(folder)
-        removed.append(folder)
-    if removed:
-        fsync_dir(root)
-    return removed

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from megatron.training import checkpoint_cleanup as cleanup
 from megatron.training import checkpoint_io as cio
 from megatron.training.checkpoint_io import CheckpointCorruptError, CheckpointIOError
 from tests.dist_utils import run_distributed
@@ -168,10 +169,10 @@ def test_disk_full_injected_mid_write(tmp_path, monkeypatch):
 
 def test_readonly_save_folder_fails_at_startup(readonly_fs):
     with pytest.raises(CheckpointIOError) as info:
-        cio.check_save_dir_writable(readonly_fs)
+        cleanup.check_save_dir_writable(readonly_fs)
     assert str(info.value).startswith(f"cannot write to the --save folder {readonly_fs}: read-only file system")
     with pytest.raises(CheckpointIOError, match="cannot create the --save folder .*read-only file system"):
-        cio.check_save_dir_writable(os.path.join(readonly_fs, "run1"))
+        cleanup.check_save_dir_writable(os.path.join(readonly_fs, "run1"))
     with pytest.raises(CheckpointIOError, match="read-only file system while creating"):
         cio.save_torch(_state(1), cio.iteration_dir(readonly_fs, 1), REL)
 
@@ -181,11 +182,11 @@ def test_permission_denied_injected(tmp_path, monkeypatch):
     def refuse(path, *a, **k):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
 
-    assert cio.check_save_dir_writable(str(tmp_path)) > 0
+    assert cleanup.check_save_dir_writable(str(tmp_path)) > 0
     assert os.listdir(tmp_path) == []  # the probe is removed
-    monkeypatch.setattr(cio.os, "open", refuse)
+    monkeypatch.setattr(cleanup.os, "open", refuse)
     with pytest.raises(CheckpointIOError, match=r"--save folder .*: permission denied while writing .*write_probe"):
-        cio.check_save_dir_writable(str(tmp_path))
+        cleanup.check_save_dir_writable(str(tmp_path))
 
 
 def test_stale_temp_files_of_dead_savers_are_removed(tmp_path, dead_pid):
@@ -205,12 +206,12 @@ def test_stale_temp_files_of_dead_savers_are_removed(tmp_path, dead_pid):
         for name in names.values():
             (folder / name).write_bytes(b"partial")
         (tmp_path / f"latest_checkpointed_iteration.txt.tmp.{dead_pid}").write_text("1")
-        removed = {os.path.basename(p) for p in cio.remove_stale_temp_files(str(tmp_path))}
+        removed = {os.path.basename(p) for p in cleanup.remove_stale_temp_files(str(tmp_path))}
         assert removed == {names["legacy_dead"], names["dead"], names["own_pid_not_writing"],
                            f"latest_checkpointed_iteration.txt.tmp.{dead_pid}"}
         left = set(os.listdir(folder))
         assert left == {names["alive"], names["other_host"], names["unrelated"]}
-        removed = {os.path.basename(p) for p in cio.remove_stale_temp_files(str(tmp_path), quiescent=True)}
+        removed = {os.path.basename(p) for p in cleanup.remove_stale_temp_files(str(tmp_path), quiescent=True)}
         assert removed == {names["other_host"]}
     finally:
         sleeper.kill()
@@ -222,7 +223,7 @@ def test_temp_file_being_written_is_kept(tmp_path):
 
     def write(f):
         f.write(b"a" * 100)
-        seen.extend(cio.remove_stale_temp_files(str(tmp_path)))  # a cleanup running during our own save
+        seen.extend(cleanup.remove_stale_temp_files(str(tmp_path)))  # a cleanup running during our own save
         f.write(b"b" * 100)
 
     rec = cio.save_file(str(tmp_path), "x.bin", write)
@@ -235,14 +236,14 @@ def test_prune_keeps_tracker_and_newest(tmp_path):
         _save_checkpoint(root, it, n=100)
     cio.write_text_durable(os.path.join(root, "latest_checkpointed_iteration.txt"), "50")
     cio.save_torch(_state(45, 100), cio.iteration_dir(root, 45), REL)  # a failed save: no manifest
-    removed = cio.prune_checkpoints(root, keep_last=2, tracker_iteration=50)
+    removed = cleanup.prune_checkpoints(root, keep_last=2, tracker_iteration=50)
     assert sorted(os.path.basename(p) for p in removed) == ["iter_0000010", "iter_0000020", "iter_0000030",
                                                             "iter_0000045"]
     assert cio.list_iterations(root) == [40, 50, 60]  # 60 is newer than the tracker: untouched
-    assert cio.prune_checkpoints(root, keep_last=5, tracker_iteration=50) == []
-    assert [os.path.basename(p) for p in cio.prune_checkpoints(root, 1, 50)] == ["iter_0000040"]
+    assert cleanup.prune_checkpoints(root, keep_last=5, tracker_iteration=50) == []
+    assert [os.path.basename(p) for p in cleanup.prune_checkpoints(root, 1, 50)] == ["iter_0000040"]
     with pytest.raises(ValueError, match="at least 1"):
-        cio.prune_checkpoints(root, 0, 50)
+        cleanup.prune_checkpoints(root, 0, 50)
 
 
 def test_describe_os_error_lines():
