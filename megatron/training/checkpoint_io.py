@@ -155,7 +155,8 @@ def save_file(ckpt_dir: str, relpath: str, write: Callable[[BinaryIO], None]) ->
     path = os.path.join(ckpt_dir, relpath)
     makedirs_durable(os.path.dirname(path))
     tmp = temp_path(path)
-    IN_FLIGHT.add(tmp)
+    key = os.path.abspath(tmp)  # cleanup compares absolute paths
+    IN_FLIGHT.add(key)
     writer = None
     try:
         with open(tmp, "wb") as f:
@@ -172,7 +173,7 @@ def save_file(ckpt_dir: str, relpath: str, write: Callable[[BinaryIO], None]) ->
             raise CheckpointIOError(describe_os_error(cause, path)) from exc
         raise
     finally:
-        IN_FLIGHT.discard(tmp)
+        IN_FLIGHT.discard(key)
     return FileRecord(relpath.replace(os.sep, "/"), writer.size, writer.hash.hexdigest())
 
 

@@ -218,16 +218,18 @@ def test_stale_temp_files_of_dead_savers_are_removed(tmp_path, dead_pid):
         sleeper.wait()
 
 
-def test_temp_file_being_written_is_kept(tmp_path):
+def test_temp_file_being_written_is_kept(tmp_path, monkeypatch):
     seen = []
 
     def write(f):
         f.write(b"a" * 100)
         seen.extend(cleanup.remove_stale_temp_files(str(tmp_path)))  # a cleanup running during our own save
+        seen.extend(cleanup.remove_stale_temp_files("."))
         f.write(b"b" * 100)
 
-    rec = cio.save_file(str(tmp_path), "x.bin", write)
-    assert seen == [] and rec.size == 200
+    monkeypatch.chdir(tmp_path)
+    rec = cio.save_file("iter_0000001", "x.bin", write)  # a relative --save path
+    assert seen == [] and rec.size == 200 and open(tmp_path / "iter_0000001" / "x.bin", "rb").read()[-1:] == b"b"
 
 
 def test_prune_keeps_tracker_and_newest(tmp_path):
