@@ -324,3 +324,44 @@ def find_intact_checkpoint(root: str, below: Optional[int] = None,
             if log:
                 log(f"{exc}; skipped")
     return None
+
+
+def choose_checkpoint(root: str, iteration: int, relpaths: Sequence[str], fallback: bool = False,
+                      log: Optional[Callable[[str], None]] = None, folder: Optional[str] = None) -> int:
+    """Collective: verify this rank's ``relpaths`` of ``iteration``; return the iteration every rank should load.
+
+    When any rank's file is missing or corrupt, every rank raises the same ``CheckpointCorruptError`` (the first
+    failing rank's line), or with ``fallback`` loads the newest older checkpoint that is intact on every rank
+    (found by global rank 0, ``log`` told why). A folder without manifest is loaded unverified (``log`` says so).
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank0 = not distributed or dist.get_rank() == 0
+    folder = folder or iteration_dir(root, iteration)
+    error, verified = None, True
+    try:
+        verified = verify_checkpoint(folder, iteration, relpaths)
+    except CheckpointCorruptError as exc:
+        error = (str(exc), exc.path)
+    outcomes = [(error, verified)]
+    if distributed:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (error, verified))
+    errors = [e for e, _ in outcomes if e is not None]
+    if not errors:
+        if log and rank0 and not all(v for _, v in outcomes):
+            log(f"checkpoint iteration {iteration} in {folder} has no manifest: loaded without verification")
+        return iteration
+    message, path = errors[0]
+    if not fallback:
+        raise CheckpointCorruptError(message, path, iteration)
+    box = [find_intact_checkpoint(root, below=iteration, log=log) if rank0 else None]
+    if distributed:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise CheckpointCorruptError(f"{message}; no earlier intact checkpoint under {root} to fall back to",
+                                     path, iteration)
+    if log and rank0:
+        log(f"{message}; falling back to the intact checkpoint of iteration {box[0]}")
+    return box[0]

@@ -269,3 +269,48 @@ def test_manifest_from_two_ranks(tmp_path):
     run_distributed(_two_writers, world_size=2, args=(str(tmp_path),))
     body = json.load(open(os.path.join(cio.iteration_dir(str(tmp_path), 8), cio.MANIFEST)))
     assert sorted(body["files"]) == ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]
+
+
+def _two_rank_checkpoints(root):
+    for it in (10, 20):
+        folder = cio.iteration_dir(root, it)
+        recs = [cio.save_torch(_state(it + r, 3000), folder, f"mp_rank_{r:02d}/model_optim_rng.pt") for r in (0, 1)]
+        cio.write_manifest(folder, it, recs)
+    return os.path.join(cio.iteration_dir(root, 20), "mp_rank_01/model_optim_rng.pt")
+
+
+def _choose(rank, world_size, root, bad):
+    mine = [f"mp_rank_{rank:02d}/model_optim_rng.pt"]
+    with pytest.raises(CheckpointCorruptError) as info:  # rank 0's own file is fine: it still stops
+        cio.choose_checkpoint(root, 20, mine)
+    assert str(info.value).startswith(f"checkpoint iteration 20: file {bad} is corrupt")
+    notes = []
+    assert cio.choose_checkpoint(root, 20, mine, fallback=True, log=notes.append) == 10
+    if rank == 0:
+        assert notes[-1].endswith("falling back to the intact checkpoint of iteration 10")
+    assert cio.choose_checkpoint(root, 10, mine) == 10
+
+
+def test_choose_checkpoint_all_ranks_agree(tmp_path):
+    root = str(tmp_path)
+    bad = _two_rank_checkpoints(root)
+    _overwrite_4k(bad, 4096)
+    run_distributed(_choose, world_size=2, args=(root, bad))
+
+
+def test_choose_checkpoint_one_process(tmp_path):
+    root = str(tmp_path)
+    bad = _two_rank_checkpoints(root)
+    rel = ["mp_rank_01/model_optim_rng.pt"]
+    assert cio.choose_checkpoint(root, 20, rel) == 20
+    os.remove(bad)
+    with pytest.raises(CheckpointCorruptError, match=f"file {bad} is missing"):
+        cio.choose_checkpoint(root, 20, rel)
+    assert cio.choose_checkpoint(root, 20, rel, fallback=True) == 10
+    os.remove(os.path.join(cio.iteration_dir(root, 10), cio.MANIFEST))  # 10 is no longer known to be complete
+    with pytest.raises(CheckpointCorruptError, match=f"{bad} is missing; no earlier intact checkpoint under"):
+        cio.choose_checkpoint(root, 20, rel, fallback=True)
+    notes = []
+    assert cio.choose_checkpoint(root, 10, rel, log=notes.append) == 10  # no manifest: loaded unverified
+    assert notes == [f"checkpoint iteration 10 in {cio.iteration_dir(root, 10)} has no manifest: loaded without "
+                     "verification"]
