@@ -18,7 +18,6 @@ a path next to ``checkpoint_io.save_torch`` (SHA-256 while writing, fsync of fil
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import subprocess

@@ -12,10 +12,9 @@ previous one is on disk:
 
 At load, ``verify_checkpoint`` re-hashes the files a rank is about to read and raises ``CheckpointCorruptError``
 naming the file and the iteration on a missing, truncated or altered file; ``find_intact_checkpoint`` walks back
-to the newest checkpoint whose files all match. OS errors while writing (disk full, permission, read-only file
+to the newest checkpoint whose files all match (both in ``checkpoint_folder``). OS errors while writing (disk full, permission, read-only file
 system) become one ``CheckpointIOError`` line with the path; the partial temporary file is removed and nothing
-already on disk is touched. ``checkpoint_cleanup`` keeps the folder clean (stale temporary files, pruning) and
-checks it is writable at start-up.
+already on disk is touched.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import socket
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence
@@ -32,7 +30,6 @@ from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_ALGORITHM = "sha256"  # hardware-accelerated in OpenSSL on current x86/ARM CPUs; see docs/reliability.md
-ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 _READ_CHUNK = 8 << 20
 IN_FLIGHT: set = set()  # temporary paths this process is writing right now (kept by cleanup)
@@ -61,14 +58,9 @@ class FileRecord:
 
 
 # ---- errors -------------------------------------------------------------------------------------------------
-_REASONS = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-    errno.EROFS: "read-only file system",
-    errno.EIO: "input/output error",
-}
+_REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+            errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+            errno.EROFS: "read-only file system", errno.EIO: "input/output error"}
 
 
 def describe_os_error(exc: OSError, path: str, action: str = "writing") -> str:
@@ -198,15 +190,23 @@ def remove_quietly(path: str) -> None:
 
 
 # ---- manifest -----------------------------------------------------------------------------------------------
-def gather_records(records: Sequence[FileRecord], group=None) -> List[FileRecord]:
-    """Every rank's records, on every rank (a collective when torch.distributed is initialised)."""
+def gather_records(records: Sequence[FileRecord], error: Optional[BaseException] = None,
+                   group=None) -> List[FileRecord]:
+    """Collective: every rank's records on every rank, or the first rank's ``error`` raised on every rank.
+
+    Pass the ``CheckpointIOError`` a writer caught, so that no rank waits for a file that will never come.
+    """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(records)
-    parts: List[Optional[list]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, [(r.relpath, r.size, r.digest) for r in records], group=group)
-    return [FileRecord(*t) for part in parts for t in part]
+    mine = ([(r.relpath, r.size, r.digest) for r in records], None if error is None else str(error))
+    parts = [mine]
+    if dist.is_available() and dist.is_initialized():
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+    failed = [msg for _, msg in parts if msg is not None]
+    if failed:
+        raise CheckpointIOError(failed[0]) from error
+    return [FileRecord(*t) for part, _ in parts for t in part]
 
 
 def write_manifest(ckpt_dir: str, iteration: int, records: Iterable[FileRecord]) -> str:
@@ -288,80 +288,3 @@ def verify_checkpoint(ckpt_dir: str, iteration: Optional[int], relpaths: Optiona
             raise CheckpointCorruptError(f"{where}: file {path} is corrupt (its {manifest['algorithm']} differs "
                                          "from the one recorded when it was saved)", path, iteration)
     return True
-
-
-# ---- the checkpoint root ------------------------------------------------------------------------------------
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def list_iterations(root: str) -> List[int]:
-    """Iterations of the ``iter_NNNNNNN`` folders under ``root``, ascending."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    found = (ITER_DIR.match(n) for n in names)
-    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
-
-
-def find_intact_checkpoint(root: str, below: Optional[int] = None,
-                           log: Optional[Callable[[str], None]] = None) -> Optional[int]:
-    """The newest iteration (< ``below`` when given) whose folder has a manifest and matches it; else None.
-
-    Every file is re-hashed, so this is meant for the fallback path, on one rank, with the answer broadcast.
-    """
-    for iteration in reversed(list_iterations(root)):
-        if below is not None and iteration >= below:
-            continue
-        folder = iteration_dir(root, iteration)
-        try:
-            if verify_checkpoint(folder, iteration):
-                return iteration
-            if log:
-                log(f"checkpoint iteration {iteration} in {folder} has no manifest (incomplete); skipped")
-        except CheckpointIOError as exc:
-            if log:
-                log(f"{exc}; skipped")
-    return None
-
-
-def choose_checkpoint(root: str, iteration: int, relpaths: Sequence[str], fallback: bool = False,
-                      log: Optional[Callable[[str], None]] = None, folder: Optional[str] = None) -> int:
-    """Collective: verify this rank's ``relpaths`` of ``iteration``; return the iteration every rank should load.
-
-    When any rank's file is missing or corrupt, every rank raises the same ``CheckpointCorruptError`` (the first
-    failing rank's line), or with ``fallback`` loads the newest older checkpoint that is intact on every rank
-    (found by global rank 0, ``log`` told why). A folder without manifest is loaded unverified (``log`` says so).
-    """
-    import torch.distributed as dist
-
-    distributed = dist.is_available() and dist.is_initialized()
-    rank0 = not distributed or dist.get_rank() == 0
-    folder = folder or iteration_dir(root, iteration)
-    error, verified = None, True
-    try:
-        verified = verify_checkpoint(folder, iteration, relpaths)
-    except CheckpointCorruptError as exc:
-        error = (str(exc), exc.path)
-    outcomes = [(error, verified)]
-    if distributed:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, (error, verified))
-    errors = [e for e, _ in outcomes if e is not None]
-    if not errors:
-        if log and rank0 and not all(v for _, v in outcomes):
-            log(f"checkpoint iteration {iteration} in {folder} has no manifest: loaded without verification")
-        return iteration
-    message, path = errors[0]
-    if not fallback:
-        raise CheckpointCorruptError(message, path, iteration)
-    box = [find_intact_checkpoint(root, below=iteration, log=log) if rank0 else None]
-    if distributed:
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        raise CheckpointCorruptError(f"{message}; no earlier intact checkpoint under {root} to fall back to",
-                                     path, iteration)
-    if log and rank0:
-        log(f"{message}; falling back to the intact checkpoint of iteration {box[0]}")
-    return box[0]

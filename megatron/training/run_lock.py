@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training.checkpoint_cleanup import pid_alive
+from megatron.training.checkpoint_folder import pid_alive
 from megatron.training.checkpoint_io import hostname
 
 LOCK_NAME = "run.lock"

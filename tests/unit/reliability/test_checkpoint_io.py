@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megatron.training import checkpoint_cleanup as cleanup
+from megatron.training import checkpoint_folder as cfold
 from megatron.training import checkpoint_io as cio
 from megatron.training.checkpoint_io import CheckpointCorruptError, CheckpointIOError
 from tests.dist_utils import run_distributed
@@ -26,7 +26,7 @@ def _state(seed, n=20000):
 
 def _save_checkpoint(root, iteration, n=20000):
     """The order a checkpoint save follows: files, manifest, tracker."""
-    folder = cio.iteration_dir(root, iteration)
+    folder = cfold.iteration_dir(root, iteration)
     rec = cio.save_torch(_state(iteration, n), folder, REL)
     cio.write_manifest(folder, iteration, [rec])
     cio.write_text_durable(os.path.join(root, "latest_checkpointed_iteration.txt"), str(iteration))
@@ -103,14 +103,14 @@ def test_fallback_finds_newest_intact_checkpoint(tmp_path):
     root = str(tmp_path)
     for it in (10, 20, 30):
         _save_checkpoint(root, it)
-    _overwrite_4k(os.path.join(cio.iteration_dir(root, 30), REL), 8192)
-    os.remove(os.path.join(cio.iteration_dir(root, 20), cio.MANIFEST))  # a save that never completed
-    cio.save_torch(_state(40), cio.iteration_dir(root, 40), REL)  # files but no manifest either
+    _overwrite_4k(os.path.join(cfold.iteration_dir(root, 30), REL), 8192)
+    os.remove(os.path.join(cfold.iteration_dir(root, 20), cio.MANIFEST))  # a save that never completed
+    cio.save_torch(_state(40), cfold.iteration_dir(root, 40), REL)  # files but no manifest either
     notes = []
-    assert cio.find_intact_checkpoint(root, log=notes.append) == 10
+    assert cfold.find_intact_checkpoint(root, log=notes.append) == 10
     assert len(notes) == 3 and "iteration 30" in notes[1] and "corrupt" in notes[1]
-    assert cio.find_intact_checkpoint(root, below=10) is None
-    assert cio.list_iterations(root) == [10, 20, 30, 40]
+    assert cfold.find_intact_checkpoint(root, below=10) is None
+    assert cfold.list_iterations(root) == [10, 20, 30, 40]
 
 
 def _fill_with(payload):
@@ -122,8 +122,8 @@ def test_disk_full_on_a_real_tiny_filesystem(tiny_fs):
     folder = _save_checkpoint(root, 1, n=2000)  # ~8 KB: fits
     before = open(os.path.join(folder, REL), "rb").read()
     with pytest.raises(CheckpointIOError) as info:
-        cio.save_torch(_state(2, n=200000), cio.iteration_dir(root, 2), REL)  # ~800 KB: does not fit
-    path = os.path.join(cio.iteration_dir(root, 2), REL)
+        cio.save_torch(_state(2, n=200000), cfold.iteration_dir(root, 2), REL)  # ~800 KB: does not fit
+    path = os.path.join(cfold.iteration_dir(root, 2), REL)
     assert str(info.value) == f"no space left on device while writing {path}"
     assert _temp_files(root) == []  # the partial file is gone: the disk is usable again
     assert open(os.path.join(folder, REL), "rb").read() == before
@@ -169,12 +169,12 @@ def test_disk_full_injected_mid_write(tmp_path, monkeypatch):
 
 def test_readonly_save_folder_fails_at_startup(readonly_fs):
     with pytest.raises(CheckpointIOError) as info:
-        cleanup.check_save_dir_writable(readonly_fs)
+        cfold.check_save_dir_writable(readonly_fs)
     assert str(info.value).startswith(f"cannot write to the --save folder {readonly_fs}: read-only file system")
     with pytest.raises(CheckpointIOError, match="cannot create the --save folder .*read-only file system"):
-        cleanup.check_save_dir_writable(os.path.join(readonly_fs, "run1"))
+        cfold.check_save_dir_writable(os.path.join(readonly_fs, "run1"))
     with pytest.raises(CheckpointIOError, match="read-only file system while creating"):
-        cio.save_torch(_state(1), cio.iteration_dir(readonly_fs, 1), REL)
+        cio.save_torch(_state(1), cfold.iteration_dir(readonly_fs, 1), REL)
 
 
 def test_permission_denied_injected(tmp_path, monkeypatch):
@@ -182,11 +182,11 @@ def test_permission_denied_injected(tmp_path, monkeypatch):
     def refuse(path, *a, **k):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
 
-    assert cleanup.check_save_dir_writable(str(tmp_path)) > 0
+    assert cfold.check_save_dir_writable(str(tmp_path)) > 0
     assert os.listdir(tmp_path) == []  # the probe is removed
-    monkeypatch.setattr(cleanup.os, "open", refuse)
+    monkeypatch.setattr(cfold.os, "open", refuse)
     with pytest.raises(CheckpointIOError, match=r"--save folder .*: permission denied while writing .*write_probe"):
-        cleanup.check_save_dir_writable(str(tmp_path))
+        cfold.check_save_dir_writable(str(tmp_path))
 
 
 def test_stale_temp_files_of_dead_savers_are_removed(tmp_path, dead_pid):
@@ -206,12 +206,12 @@ def test_stale_temp_files_of_dead_savers_are_removed(tmp_path, dead_pid):
         for name in names.values():
             (folder / name).write_bytes(b"partial")
         (tmp_path / f"latest_checkpointed_iteration.txt.tmp.{dead_pid}").write_text("1")
-        removed = {os.path.basename(p) for p in cleanup.remove_stale_temp_files(str(tmp_path))}
+        removed = {os.path.basename(p) for p in cfold.remove_stale_temp_files(str(tmp_path))}
         assert removed == {names["legacy_dead"], names["dead"], names["own_pid_not_writing"],
                            f"latest_checkpointed_iteration.txt.tmp.{dead_pid}"}
         left = set(os.listdir(folder))
         assert left == {names["alive"], names["other_host"], names["unrelated"]}
-        removed = {os.path.basename(p) for p in cleanup.remove_stale_temp_files(str(tmp_path), quiescent=True)}
+        removed = {os.path.basename(p) for p in cfold.remove_stale_temp_files(str(tmp_path), quiescent=True)}
         assert removed == {names["other_host"]}
     finally:
         sleeper.kill()
@@ -223,8 +223,8 @@ def test_temp_file_being_written_is_kept(tmp_path, monkeypatch):
 
     def write(f):
         f.write(b"a" * 100)
-        seen.extend(cleanup.remove_stale_temp_files(str(tmp_path)))  # a cleanup running during our own save
-        seen.extend(cleanup.remove_stale_temp_files("."))
+        seen.extend(cfold.remove_stale_temp_files(str(tmp_path)))  # a cleanup running during our own save
+        seen.extend(cfold.remove_stale_temp_files("."))
         f.write(b"b" * 100)
 
     monkeypatch.chdir(tmp_path)
@@ -237,15 +237,15 @@ def test_prune_keeps_tracker_and_newest(tmp_path):
     for it in (10, 20, 30, 40, 50, 60):
         _save_checkpoint(root, it, n=100)
     cio.write_text_durable(os.path.join(root, "latest_checkpointed_iteration.txt"), "50")
-    cio.save_torch(_state(45, 100), cio.iteration_dir(root, 45), REL)  # a failed save: no manifest
-    removed = cleanup.prune_checkpoints(root, keep_last=2, tracker_iteration=50)
+    cio.save_torch(_state(45, 100), cfold.iteration_dir(root, 45), REL)  # a failed save: no manifest
+    removed = cfold.prune_checkpoints(root, keep_last=2, tracker_iteration=50)
     assert sorted(os.path.basename(p) for p in removed) == ["iter_0000010", "iter_0000020", "iter_0000030",
                                                             "iter_0000045"]
-    assert cio.list_iterations(root) == [40, 50, 60]  # 60 is newer than the tracker: untouched
-    assert cleanup.prune_checkpoints(root, keep_last=5, tracker_iteration=50) == []
-    assert [os.path.basename(p) for p in cleanup.prune_checkpoints(root, 1, 50)] == ["iter_0000040"]
+    assert cfold.list_iterations(root) == [40, 50, 60]  # 60 is newer than the tracker: untouched
+    assert cfold.prune_checkpoints(root, keep_last=5, tracker_iteration=50) == []
+    assert [os.path.basename(p) for p in cfold.prune_checkpoints(root, 1, 50)] == ["iter_0000040"]
     with pytest.raises(ValueError, match="at least 1"):
-        cleanup.prune_checkpoints(root, 0, 50)
+        cfold.prune_checkpoints(root, 0, 50)
 
 
 def test_describe_os_error_lines():
@@ -255,7 +255,7 @@ def test_describe_os_error_lines():
 
 
 def _two_writers(rank, world_size, root):
-    folder = cio.iteration_dir(root, 8)
+    folder = cfold.iteration_dir(root, 8)
     rec = cio.save_torch(_state(100 + rank, 500), folder, f"mp_rank_{rank:02d}/model_optim_rng.pt")
     records = cio.gather_records([rec])
     assert len(records) == 2
@@ -263,32 +263,45 @@ def _two_writers(rank, world_size, root):
         cio.write_manifest(folder, 8, records)
     torch.distributed.barrier()
     assert cio.verify_checkpoint(folder, 8, [f"mp_rank_{rank:02d}/model_optim_rng.pt"])
+    # a writer that failed: every rank raises its line instead of waiting for its file
+    error = None
+    if rank == 1:
+        try:
+            cio.save_file(folder, "mp_rank_01/x.pt", lambda f: _enospc())
+        except CheckpointIOError as exc:
+            error = exc
+    with pytest.raises(CheckpointIOError, match="^no space left on device while writing .*mp_rank_01/x.pt$"):
+        cio.gather_records([] if rank else [rec], error)
+
+
+def _enospc():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def test_manifest_from_two_ranks(tmp_path):
     run_distributed(_two_writers, world_size=2, args=(str(tmp_path),))
-    body = json.load(open(os.path.join(cio.iteration_dir(str(tmp_path), 8), cio.MANIFEST)))
+    body = json.load(open(os.path.join(cfold.iteration_dir(str(tmp_path), 8), cio.MANIFEST)))
     assert sorted(body["files"]) == ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]
 
 
 def _two_rank_checkpoints(root):
     for it in (10, 20):
-        folder = cio.iteration_dir(root, it)
+        folder = cfold.iteration_dir(root, it)
         recs = [cio.save_torch(_state(it + r, 3000), folder, f"mp_rank_{r:02d}/model_optim_rng.pt") for r in (0, 1)]
         cio.write_manifest(folder, it, recs)
-    return os.path.join(cio.iteration_dir(root, 20), "mp_rank_01/model_optim_rng.pt")
+    return os.path.join(cfold.iteration_dir(root, 20), "mp_rank_01/model_optim_rng.pt")
 
 
 def _choose(rank, world_size, root, bad):
     mine = [f"mp_rank_{rank:02d}/model_optim_rng.pt"]
     with pytest.raises(CheckpointCorruptError) as info:  # rank 0's own file is fine: it still stops
-        cio.choose_checkpoint(root, 20, mine)
+        cfold.choose_checkpoint(root, 20, mine)
     assert str(info.value).startswith(f"checkpoint iteration 20: file {bad} is corrupt")
     notes = []
-    assert cio.choose_checkpoint(root, 20, mine, fallback=True, log=notes.append) == 10
+    assert cfold.choose_checkpoint(root, 20, mine, fallback=True, log=notes.append) == 10
     if rank == 0:
         assert notes[-1].endswith("falling back to the intact checkpoint of iteration 10")
-    assert cio.choose_checkpoint(root, 10, mine) == 10
+    assert cfold.choose_checkpoint(root, 10, mine) == 10
 
 
 def test_choose_checkpoint_all_ranks_agree(tmp_path):
@@ -302,15 +315,15 @@ def test_choose_checkpoint_one_process(tmp_path):
     root = str(tmp_path)
     bad = _two_rank_checkpoints(root)
     rel = ["mp_rank_01/model_optim_rng.pt"]
-    assert cio.choose_checkpoint(root, 20, rel) == 20
+    assert cfold.choose_checkpoint(root, 20, rel) == 20
     os.remove(bad)
     with pytest.raises(CheckpointCorruptError, match=f"file {bad} is missing"):
-        cio.choose_checkpoint(root, 20, rel)
-    assert cio.choose_checkpoint(root, 20, rel, fallback=True) == 10
-    os.remove(os.path.join(cio.iteration_dir(root, 10), cio.MANIFEST))  # 10 is no longer known to be complete
+        cfold.choose_checkpoint(root, 20, rel)
+    assert cfold.choose_checkpoint(root, 20, rel, fallback=True) == 10
+    os.remove(os.path.join(cfold.iteration_dir(root, 10), cio.MANIFEST))  # 10 is no longer known to be complete
     with pytest.raises(CheckpointCorruptError, match=f"{bad} is missing; no earlier intact checkpoint under"):
-        cio.choose_checkpoint(root, 20, rel, fallback=True)
+        cfold.choose_checkpoint(root, 20, rel, fallback=True)
     notes = []
-    assert cio.choose_checkpoint(root, 10, rel, log=notes.append) == 10  # no manifest: loaded unverified
-    assert notes == [f"checkpoint iteration 10 in {cio.iteration_dir(root, 10)} has no manifest: loaded without "
+    assert cfold.choose_checkpoint(root, 10, rel, log=notes.append) == 10  # no manifest: loaded unverified
+    assert notes == [f"checkpoint iteration 10 in {cfold.iteration_dir(root, 10)} has no manifest: loaded without "
                      "verification"]

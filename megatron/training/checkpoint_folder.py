@@ -1,18 +1,100 @@
-"""Housekeeping of a checkpoint folder: stale temporary files, a start-up write probe, keep-last-N pruning."""
+"""The folder of checkpoints (``--save`` / ``--load``): which iteration to load, and its housekeeping.
+
+``choose_checkpoint`` (collective) verifies the files each rank is about to load and agrees on the iteration,
+falling back to the newest intact one on request (``find_intact_checkpoint``); ``remove_stale_temp_files``,
+``check_save_dir_writable`` and ``prune_checkpoints`` keep the folder clean and fail early.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-from typing import List
+from typing import Callable, List, Optional, Sequence
 
-from megatron.training.checkpoint_io import (MANIFEST, CheckpointIOError, IN_FLIGHT, remove_quietly,
-                                             describe_os_error, fsync_dir, hostname, iteration_dir,
-                                             list_iterations, makedirs_durable)
+from megatron.training.checkpoint_io import (IN_FLIGHT, MANIFEST, CheckpointCorruptError, CheckpointIOError,
+                                             describe_os_error, fsync_dir, hostname, makedirs_durable,
+                                             remove_quietly, verify_checkpoint)
 
 # NAME.tmp.HOST.PID (checkpoint_io) or NAME.tmp.PID (older writers, host unknown)
 TEMP_NAME = re.compile(r"^(?P<base>.+?)\.tmp\.(?:(?P<host>[^/]+)\.)?(?P<pid>\d+)$")
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def list_iterations(root: str) -> List[int]:
+    """Iterations of the ``iter_NNNNNNN`` folders under ``root``, ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = (ITER_DIR.match(n) for n in names)
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def find_intact_checkpoint(root: str, below: Optional[int] = None,
+                           log: Optional[Callable[[str], None]] = None) -> Optional[int]:
+    """The newest iteration (< ``below`` when given) whose folder has a manifest and matches it; else None.
+
+    Every file is re-hashed, so this is meant for the fallback path, on one rank, with the answer broadcast.
+    """
+    for iteration in reversed(list_iterations(root)):
+        if below is not None and iteration >= below:
+            continue
+        folder = iteration_dir(root, iteration)
+        try:
+            if verify_checkpoint(folder, iteration):
+                return iteration
+            if log:
+                log(f"checkpoint iteration {iteration} in {folder} has no manifest (incomplete); skipped")
+        except CheckpointIOError as exc:
+            if log:
+                log(f"{exc}; skipped")
+    return None
+
+
+def choose_checkpoint(root: str, iteration: int, relpaths: Sequence[str], fallback: bool = False,
+                      log: Optional[Callable[[str], None]] = None, folder: Optional[str] = None) -> int:
+    """Collective: verify this rank's ``relpaths`` of ``iteration``; return the iteration every rank should load.
+
+    When any rank's file is missing or corrupt, every rank raises the same ``CheckpointCorruptError`` (the first
+    failing rank's line), or with ``fallback`` loads the newest older checkpoint that is intact on every rank
+    (found by global rank 0, ``log`` told why). A folder without manifest is loaded unverified (``log`` says so).
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank0 = not distributed or dist.get_rank() == 0
+    folder = folder or iteration_dir(root, iteration)
+    error, verified = None, True
+    try:
+        verified = verify_checkpoint(folder, iteration, relpaths)
+    except CheckpointCorruptError as exc:
+        error = (str(exc), exc.path)
+    outcomes = [(error, verified)]
+    if distributed:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (error, verified))
+    errors = [e for e, _ in outcomes if e is not None]
+    if not errors:
+        if log and rank0 and not all(v for _, v in outcomes):
+            log(f"checkpoint iteration {iteration} in {folder} has no manifest: loaded without verification")
+        return iteration
+    message, path = errors[0]
+    if not fallback:
+        raise CheckpointCorruptError(message, path, iteration)
+    box = [find_intact_checkpoint(root, below=iteration, log=log) if rank0 else None]
+    if distributed:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise CheckpointCorruptError(f"{message}; no earlier intact checkpoint under {root} to fall back to",
+                                     path, iteration)
+    if log and rank0:
+        log(f"{message}; falling back to the intact checkpoint of iteration {box[0]}")
+    return box[0]
 
 
 def pid_alive(pid: int) -> bool:
