@@ -327,3 +327,35 @@ def test_choose_checkpoint_one_process(tmp_path):
     assert cfold.choose_checkpoint(root, 10, rel, log=notes.append) == 10  # no manifest: loaded unverified
     assert notes == [f"checkpoint iteration 10 in {cfold.iteration_dir(root, 10)} has no manifest: loaded without "
                      "verification"]
+
+
+def test_model_and_optimizer_state_round_trip_through_the_save_sequence(tmp_path):
+    """The wired order (files, manifest, cleanup, tracker, pruning) with a real model and Adam state."""
+    root = str(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    saved = {}
+    for iteration in (1, 2, 3):
+        opt.zero_grad()
+        model(torch.randn(5, 8)).square().mean().backward()
+        opt.step()
+        state = {"iteration": iteration, "model": model.state_dict(), "optimizer": opt.state_dict()}
+        saved[iteration] = {k: v.clone() for k, v in model.state_dict().items()}
+        folder = cfold.iteration_dir(root, iteration)
+        records = cio.gather_records([cio.save_torch(state, folder, REL)])
+        cio.write_manifest(folder, iteration, records)
+        cfold.remove_stale_temp_files(root, quiescent=True)
+        cio.write_text_durable(os.path.join(root, "latest_checkpointed_iteration.txt"), str(iteration))
+        cfold.prune_checkpoints(root, keep_last=2, tracker_iteration=iteration)
+    assert cfold.list_iterations(root) == [2, 3]
+    _overwrite_4k(os.path.join(cfold.iteration_dir(root, 3), REL), 0)
+    tracker = int(open(os.path.join(root, "latest_checkpointed_iteration.txt")).read())
+    chosen = cfold.choose_checkpoint(root, tracker, [REL], fallback=True)
+    assert chosen == 2
+    state = torch.load(os.path.join(cfold.iteration_dir(root, chosen), REL), weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    assert state["iteration"] == 2
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[2][k])
