@@ -222,6 +222,17 @@ def write_manifest(ckpt_dir: str, iteration: int, records: Iterable[FileRecord])
     return os.path.join(ckpt_dir, MANIFEST)
 
 
+def invalidate_manifest(ckpt_dir: str) -> bool:
+    """Remove ``ckpt_dir``'s manifest before its files are written again (a re-save of the same iteration), so
+    a save cut short leaves an incomplete folder, never one whose manifest lists older bytes."""
+    try:
+        os.remove(os.path.join(ckpt_dir, MANIFEST))
+    except FileNotFoundError:
+        return False
+    fsync_dir(ckpt_dir)
+    return True
+
+
 def read_manifest(ckpt_dir: str, iteration: Optional[int] = None) -> Optional[dict]:
     """The manifest of ``ckpt_dir``, or None when it has none (incomplete, or saved without manifests)."""
     path = os.path.join(ckpt_dir, MANIFEST)

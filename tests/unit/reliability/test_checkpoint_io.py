@@ -359,3 +359,12 @@ def test_model_and_optimizer_state_round_trip_through_the_save_sequence(tmp_path
     assert state["iteration"] == 2
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[2][k])
+
+
+def test_resave_of_an_iteration_invalidates_its_manifest_first(tmp_path):
+    root = str(tmp_path)
+    folder = _save_checkpoint(root, 100)
+    assert cio.invalidate_manifest(folder) is True and cio.invalidate_manifest(folder) is False
+    cio.save_torch(_state(7), folder, REL)  # new bytes; the save dies before its manifest
+    assert cio.verify_checkpoint(folder, 100) is False  # incomplete, not "corrupt" and not "intact"
+    assert cfold.find_intact_checkpoint(root) is None
