@@ -43,11 +43,9 @@ def token_range(dataset: Union[str, IndexedDataset], chunk_bytes: int = CHUNK_BY
     itemsize = ds.dtype.itemsize
     start = int(ds.sequence_pointers.min())
     end = int(ds.sequence_pointers[-1]) + int(ds.sequence_lengths[-1]) * itemsize
-    # The writer lays sequences out back to back; anything else would make [start, end) include foreign bytes.
     expected = int(ds.sequence_lengths.sum(dtype=np.int64)) * itemsize
-    if end - start != expected:
-        raise ValueError(f"{bin_path(ds.path_prefix)}: sequences are not stored back to back "
-                         f"({end - start} bytes span, {expected} bytes of tokens)")
+    if end - start != expected or np.any(np.diff(ds.sequence_pointers) < 0):  # not back to back, in order
+        return _token_range_per_sequence(ds)  # (as writers lay them out): [start, end) may not be the tokens
     raw = np.memmap(bin_path(ds.path_prefix), mode="r", dtype=np.uint8)
     step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
     lo, hi, hi_at = None, None, -1
@@ -62,6 +60,21 @@ def token_range(dataset: Union[str, IndexedDataset], chunk_bytes: int = CHUNK_BY
     # The sequence holding byte hi_at: the last pointer at or before it.
     seq = int(np.searchsorted(ds.sequence_pointers, hi_at, side="right")) - 1
     return TokenRange(int(lo), int(hi), seq, expected // itemsize)
+
+
+def _token_range_per_sequence(ds: IndexedDataset) -> TokenRange:
+    """The slow path, one sequence at a time, for a ``.bin`` whose sequences are not stored in order."""
+    lo, hi, hi_seq = None, None, -1
+    for i in range(len(ds)):
+        seq = ds[i]
+        if seq.size == 0:
+            continue
+        smax, smin = seq.max(), seq.min()
+        if hi is None or smax > hi:
+            hi, hi_seq = smax, i
+        if lo is None or smin < lo:
+            lo = smin
+    return TokenRange(int(lo), int(hi), hi_seq, int(ds.sequence_lengths.sum(dtype=np.int64)))
 
 
 def check_token_ids(dataset: Union[str, IndexedDataset], vocab_size: int,

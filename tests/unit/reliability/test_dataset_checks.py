@@ -73,6 +73,30 @@ def test_negative_ids_and_dtypes_that_cannot_overflow(tmp_path):
         check_token_ids(prefix, 0)
 
 
+def test_sequences_not_stored_in_order(tmp_path):
+    """A valid .idx may point at sequences in any order: the per-sequence path gives the same answer."""
+    prefix = _build(str(tmp_path / "shuffled"), [[np.array([1, 2, 3])], [np.array([900, 5, 6])]], np.uint16)
+    pointers = np.memmap(prefix + ".idx", dtype=np.int64, mode="r+", offset=34 + 2 * 4, shape=(2,))
+    pointers[:] = [6, 0]  # sequence 0 is now the second half of the .bin, sequence 1 the first
+    pointers.flush()
+    del pointers
+    ds = IndexedDataset(prefix)
+    assert list(ds[0]) == [900, 5, 6] and list(ds[1]) == [1, 2, 3]
+    found = token_range(ds)
+    assert (found.min_id, found.max_id, found.max_sequence, found.num_tokens) == (1, 900, 0, 6)
+    with pytest.raises(ValueError, match="token id 900 .*first in sequence 0"):
+        check_token_ids(ds, 512)
+    # three sequences spanning the .bin exactly, but out of order: the fast path would misplace the maximum
+    prefix = _build(str(tmp_path / "perm"), [[np.array([1, 1])], [np.array([2, 700])], [np.array([3, 3])]],
+                    np.uint16)
+    pointers = np.memmap(prefix + ".idx", dtype=np.int64, mode="r+", offset=34 + 3 * 4, shape=(3,))
+    pointers[:] = [4, 0, 8]  # sequence 0 now holds the 700
+    pointers.flush()
+    del pointers
+    assert list(IndexedDataset(prefix)[0]) == [2, 700]
+    assert token_range(prefix).max_sequence == 0
+
+
 def test_empty_dataset(tmp_path):
     prefix = _build(str(tmp_path / "empty"), [], np.uint16)
     assert token_range(prefix) is None and check_token_ids(prefix, 10) is None
