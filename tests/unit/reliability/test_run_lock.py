@@ -150,18 +150,18 @@ def test_same_process_second_lock_object_is_refused(tmp_path):
             RunLock(str(tmp_path)).acquire()
 
 
-def _job_lock(rank, world_size, folder, expect_error):
-    if expect_error:
-        with pytest.raises(RunLockError, match="pid 4242"):
-            acquire_for_job(folder)
-        return
+def _job_lock(rank, world_size, folder):
+    import torch.distributed as dist
+
     lock = acquire_for_job(folder)
     assert (lock is not None) == (rank == 0)
     if lock is not None:
         lock.release()
+        _write_record(folder, "node-b.cluster", 4242, started=time.time())  # a live run on another host
+    dist.barrier()
+    with pytest.raises(RunLockError, match="in use by another run \\(host node-b.cluster, pid 4242, since"):
+        acquire_for_job(folder)
 
 
 def test_job_lock_every_rank_gets_the_same_error(tmp_path):
-    run_distributed(_job_lock, world_size=2, args=(str(tmp_path), False))
-    _write_record(str(tmp_path), "node-b.cluster", 4242, started=time.time())
-    run_distributed(_job_lock, world_size=2, args=(str(tmp_path), True))
+    run_distributed(_job_lock, world_size=2, args=(str(tmp_path),))
