@@ -1,0 +1,184 @@
+"""Batched text generation with a KV cache over this framework's GPT, on CPU or GPU, at any tensor-parallel size.
+
+Every tensor-parallel rank runs the same calls with the same arguments; the vocab-parallel logits are
+all-gathered so each rank sees the full vocabulary, and the chosen tokens are broadcast from the group's first
+rank so that all ranks continue with the same sequence.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.inference.kv_cache import attention_shape, cache_device, cache_dtype, install_kv_cache
+from megatron.core.inference.sampling import SamplingParams, sample_next
+from megatron.core.parallel_state import ParallelState
+
+
+@dataclass
+class GenerationOutput:
+    tokens: List[int]  # prompt then generated tokens
+    prompt_length: int
+    finish_reason: str  # "length", "eod", "eol" or "stop"
+    logprobs: Optional[List[float]] = None  # log p(tokens[i] | tokens[:i]) for i >= 1
+    text: Optional[str] = None  # the generated text (tokenizer given), cut before a matched stop string
+
+    @property
+    def generated(self) -> List[int]:
+        return self.tokens[self.prompt_length:]
+
+
+class InferenceEngine:
+    """Generation and scoring over one GPT (a whole model on each rank; TP shards it within the TP group)."""
+
+    def __init__(self, model: torch.nn.Module, pstate: Optional[ParallelState] = None, tokenizer=None,
+                 vocab_size: Optional[int] = None, eod: Optional[int] = None):
+        if not (model.pre_process and model.post_process):
+            raise ValueError("the inference engine needs a whole model (one pipeline stage)")
+        self.model = model.eval()
+        self.pstate = pstate or ParallelState.single()
+        self.tokenizer = tokenizer
+        padded = model.config.padded_vocab_size
+        self.vocab_size = vocab_size or (tokenizer.vocab_size if tokenizer is not None else padded)
+        if self.vocab_size > padded:
+            raise ValueError(f"vocabulary {self.vocab_size} is larger than the model's {padded} output rows")
+        self.eod = eod if eod is not None else (tokenizer.eod if tokenizer is not None else None)
+        self.max_length = model.config.max_position_embeddings
+        self.device = cache_device(model)
+        self.cache = install_kv_cache(model)
+
+    # ---- forward passes ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _logits(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """``tokens [b, s]`` at positions ``start ..`` -> full-vocabulary float32 logits ``[b, s, V_padded]``."""
+        b, s = tokens.shape
+        positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
+        logits = self.model(tokens, positions)  # [b, s, V/tp]
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.pstate.tp_group)
+        return logits.float()  # [b, s, V]
+
+    @torch.no_grad()
+    def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of a whole batch ``[b, s]`` recomputed without the cache (the reference path)."""
+        self.cache.release()
+        return self._logits(tokens.to(self.device), 0)
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new: int) -> List[int]:
+        if not prompts:
+            raise ValueError("no prompts given")
+        lengths = [len(p) for p in prompts]
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            if n == 0:
+                raise ValueError(f"prompt {i} is empty (needs at least one token)")
+            if n + max_new > self.max_length:
+                raise ValueError(f"prompt {i} has {n} tokens; with {max_new} new tokens that exceeds the model's "
+                                 f"{self.max_length} positions")
+            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        return lengths
+
+    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pstate.tp_size > 1:
+            dist.broadcast(t, src=self.pstate.tp_src_rank, group=self.pstate.tp_group)
+        return t
+
+    def _detok(self, ids) -> str:
+        return self.tokenizer.detokenize([int(i) for i in ids])
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[GenerationOutput]:
+        """Continue each token-id prompt; all prompts share ``params``. Collective over the TP group."""
+        if (params.stop_on_eol or params.stop_strings) and self.tokenizer is None:
+            raise ValueError("stop_on_eol and stop_strings need a tokenizer")
+        if params.stop_on_eod and self.eod is None:
+            raise ValueError("stop_on_eod needs the end-of-document id (give a tokenizer or eod)")
+        max_new = params.max_new_tokens
+        lengths = self._check_prompts(prompts, max_new)
+        b, min_len, max_prompt = len(prompts), min(lengths), max(lengths)
+        ends = [n + max_new for n in lengths]  # each sequence's last position + 1
+        total = max(ends)
+        pad = self.eod if self.eod is not None else 0
+        tokens = torch.full((b, total), pad, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            tokens[i, :lengths[i]] = torch.tensor([int(t) for t in p], dtype=torch.long)
+        lengths_t = torch.tensor(lengths, device=self.device)
+        logprobs = torch.zeros(b, total, dtype=torch.float32, device=self.device) if params.logprobs else None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else random.SystemRandom().randrange(2**62))
+        finish = ["length"] * b
+        stop_at = list(ends)  # where each output ends (exclusive)
+        done = [max_new == 0] * b
+        text_cut: List[Optional[int]] = [None] * b
+        n_layers, heads, head_dim = attention_shape(self.model)
+        self.cache.allocate(n_layers, b, heads, total, head_dim, cache_dtype(self.model), self.device)
+        try:
+            prev, cur = 0, min_len
+            while True:
+                logits = self._logits(tokens[:, prev:cur], prev)  # [b, cur - prev, V]
+                self.cache.offset = cur
+                if logprobs is not None and cur - prev > 1:  # prompt tokens inside this chunk
+                    lp = F.log_softmax(logits[:, :-1], dim=-1)  # [b, cur - prev - 1, V]
+                    target = tokens[:, prev + 1:cur].unsqueeze(-1)  # [b, cur - prev - 1, 1]
+                    logprobs[:, prev + 1:cur] = lp.gather(-1, target).squeeze(-1)
+                if cur >= total or (all(done) and cur >= max_prompt):
+                    break
+                last = logits[:, -1]  # [b, V]
+                chosen = self._broadcast(sample_next(last, params, self.vocab_size, gen))  # [b]
+                in_prompt = cur < lengths_t
+                chosen = torch.where(in_prompt, tokens[:, cur], chosen)
+                finished = torch.tensor(done, device=self.device) & ~in_prompt
+                tokens[:, cur] = torch.where(finished, torch.full_like(chosen, pad), chosen)
+                if logprobs is not None:
+                    logprobs[:, cur] = F.log_softmax(last, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+                for i in range(b):
+                    if done[i] or cur < lengths[i]:
+                        continue
+                    reason, cut = self._stop_reason(tokens[i, lengths[i]:cur + 1].tolist(), params)
+                    if reason is None and cur + 1 >= ends[i]:
+                        reason = "length"
+                    if reason is not None:
+                        done[i], finish[i], stop_at[i], text_cut[i] = True, reason, cur + 1, cut
+                prev, cur = cur, cur + 1
+        finally:
+            self.cache.release()
+        outputs = []
+        tok_list = tokens.tolist()
+        lp_list = logprobs.tolist() if logprobs is not None else None
+        for i in range(b):
+            out = GenerationOutput(tokens=tok_list[i][:stop_at[i]], prompt_length=lengths[i],
+                                   finish_reason=finish[i])
+            if lp_list is not None:
+                out.logprobs = lp_list[i][1:stop_at[i]]
+            if self.tokenizer is not None:
+                text = self._detok(out.generated)
+                out.text = text if text_cut[i] is None else text[:text_cut[i]]
+            outputs.append(out)
+        return outputs
+
+    def _stop_reason(self, generated: List[int], params: SamplingParams):
+        """``(reason, text cut)`` when the generated tokens end the sequence, else ``(None, None)``."""
+        last = generated[-1]
+        if params.stop_on_eod and last == self.eod:
+            return "eod", None
+        if params.stop_on_eol and "\n" in self._detok([last]):
+            return "eol", None
+        if params.stop_strings:
+            text = self._detok(generated)
+            hits = [text.find(s) for s in params.stop_strings if s and s in text]
+            if hits:
+                return "stop", min(hits)
+        return None, None
+
+    def generate_text(self, prompts: Sequence[str], params: SamplingParams) -> List[GenerationOutput]:
+        """``generate`` on texts (tokenized with the engine's tokenizer)."""
+        if self.tokenizer is None:
+            raise ValueError("generate_text needs a tokenizer")
+        return self.generate([self.tokenizer.tokenize(p) for p in prompts], params)
