@@ -28,6 +28,8 @@ class GenerationOutput:
     finish_reason: str  # "length", "eod", "eol" or "stop"
     logprobs: Optional[List[float]] = None  # log p(tokens[i] | tokens[:i]) for i >= 1
     text: Optional[str] = None  # the generated text (tokenizer given), cut before a matched stop string
+    # per generated token: the top_logprobs most likely (token id, log-prob) pairs at its position
+    top_logprobs: Optional[List[List[tuple]]] = None
 
     @property
     def generated(self) -> List[int]:
@@ -117,6 +119,7 @@ class InferenceEngine:
         stop_at = list(ends)  # where each output ends (exclusive)
         done = [max_new == 0] * b
         text_cut: List[Optional[int]] = [None] * b
+        tops: List[List[list]] = [[] for _ in range(b)]
         n_layers, heads, head_dim = attention_shape(self.model)
         self.cache.allocate(n_layers, b, heads, total, head_dim, cache_dtype(self.model), self.device)
         try:
@@ -136,8 +139,16 @@ class InferenceEngine:
                 chosen = torch.where(in_prompt, tokens[:, cur], chosen)
                 finished = torch.tensor(done, device=self.device) & ~in_prompt
                 tokens[:, cur] = torch.where(finished, torch.full_like(chosen, pad), chosen)
+                if logprobs is not None or params.top_logprobs:
+                    lp_last = F.log_softmax(last, dim=-1)  # [b, V]
                 if logprobs is not None:
-                    logprobs[:, cur] = F.log_softmax(last, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+                    logprobs[:, cur] = lp_last.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+                if params.top_logprobs:
+                    k = min(params.top_logprobs, self.vocab_size)
+                    top_vals, top_ids = torch.topk(lp_last[:, :self.vocab_size], k, dim=-1)  # [b, k]
+                    for i in range(b):
+                        if not done[i] and cur >= lengths[i]:
+                            tops[i].append(list(zip(top_ids[i].tolist(), top_vals[i].tolist())))
                 for i in range(b):
                     if done[i] or cur < lengths[i]:
                         continue
@@ -157,6 +168,8 @@ class InferenceEngine:
                                    finish_reason=finish[i])
             if lp_list is not None:
                 out.logprobs = lp_list[i][1:stop_at[i]]
+            if params.top_logprobs:
+                out.top_logprobs = tops[i]
             if self.tokenizer is not None:
                 text = self._detok(out.generated)
                 out.text = text if text_cut[i] is None else text[:text_cut[i]]

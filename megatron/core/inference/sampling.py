@@ -27,6 +27,7 @@ class SamplingParams:
     stop_on_eol: bool = False
     stop_strings: Tuple[str, ...] = field(default_factory=tuple)
     logprobs: bool = False
+    top_logprobs: int = 0  # also record the this many most likely tokens at every generated position
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -37,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.top_k > 0 and self.top_p > 0.0:
             raise ValueError("give top_k or top_p, not both")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
