@@ -126,7 +126,7 @@ def parse_megatron_request(body: Any, tokenizer, limits: Limits) -> Job:
     if "prompts" not in body:
         raise RequestError("prompts is required")
     texts = _prompt_list(body["prompts"], "prompts", limits)
-    max_new = _int(body, "tokens_to_generate", 64, 0, limits.max_positions)
+    max_new = _int(body, "tokens_to_generate", min(64, limits.max_positions), 0, limits.max_positions)
     logprobs = _bool(body, "logprobs", False)
     if max_new == 0 and not logprobs:
         raise RequestError("tokens_to_generate 0 only makes sense with logprobs true")
