@@ -14,12 +14,11 @@ from tasks.zeroshot_gpt.datasets import lm_windows
 from tasks.zeroshot_gpt.detokenizer import wikitext_detokenize
 from tests.conftest import SHARED_DATA
 from tests.dist_utils import run_distributed
+from tests.unit.zeroshot.tp_body import LAMBADA, WIKI, tp2_body
 from tests.unit.inference.hf_gpt2 import to_hf_gpt2
 from tests.unit.inference.tiny import MERGES, VOCAB, tiny_args, tiny_model, write_checkpoint
 
 pytest.importorskip("transformers")
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-WIKI, LAMBADA = os.path.join(FIXTURES, "wikitext_tiny.raw"), os.path.join(FIXTURES, "lambada_tiny.jsonl")
 SEQ = 48
 
 
@@ -145,18 +144,10 @@ def test_bad_inputs(setup, tmp_path):
         _run(ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI, "--seq-length", "64")
 
 
-def _tp2_body(rank, world_size, ckpt, out):
-    results = [run(parse_args(["--load", ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI,
-                               "--tensor-model-parallel-size", "2"])),
-               run(parse_args(["--load", ckpt, "--task", "LAMBADA", "--valid-data", LAMBADA]))]
-    if rank == 0:
-        json.dump(results, open(out, "w"))
-
-
 def test_tp2_equals_tp1(setup, tmp_path):
     ckpt, _, _ = setup
     out = str(tmp_path / "tp2.json")
-    run_distributed(_tp2_body, world_size=2, args=(ckpt, out))
+    run_distributed(tp2_body, world_size=2, args=(ckpt, out))
     wiki2, lambada2 = json.load(open(out))
     wiki1 = _run(ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI)
     lambada1 = _run(ckpt, "--task", "LAMBADA", "--valid-data", LAMBADA)
