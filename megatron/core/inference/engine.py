@@ -120,6 +120,7 @@ class InferenceEngine:
         done = [max_new == 0] * b
         text_cut: List[Optional[int]] = [None] * b
         tops: List[List[list]] = [[] for _ in range(b)]
+        generated: List[List[int]] = [[] for _ in range(b)]  # host copy of each sequence's generated tokens
         n_layers, heads, head_dim = attention_shape(self.model)
         self.cache.allocate(n_layers, b, heads, total, head_dim, cache_dtype(self.model), self.device)
         try:
@@ -149,10 +150,12 @@ class InferenceEngine:
                     for i in range(b):
                         if not done[i] and cur >= lengths[i]:
                             tops[i].append(list(zip(top_ids[i].tolist(), top_vals[i].tolist())))
+                step_tokens = tokens[:, cur].tolist()  # one device-to-host copy per step
                 for i in range(b):
                     if done[i] or cur < lengths[i]:
                         continue
-                    reason, cut = self._stop_reason(tokens[i, lengths[i]:cur + 1].tolist(), params)
+                    generated[i].append(step_tokens[i])
+                    reason, cut = self._stop_reason(generated[i], params)
                     if reason is None and cur + 1 >= ends[i]:
                         reason = "length"
                     if reason is not None:

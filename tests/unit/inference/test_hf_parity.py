@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.core.inference import InferenceEngine, SamplingParams
-from tests.unit.inference.hf_gpt2 import to_hf_gpt2
+from megatron.core.inference.hf_gpt2 import to_hf_gpt2
 from tests.unit.inference.tiny import random_prompts, tiny_args, tiny_model
 
 pytest.importorskip("transformers")
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 def pair(request):
     args = tiny_args(untie_embeddings_and_output_weights=request.param, layernorm_epsilon=1e-6)
     model = tiny_model(args)
-    return InferenceEngine(model, eod=0), to_hf_gpt2(model, args)
+    return InferenceEngine(model, eod=0), to_hf_gpt2(model)
 
 
 def test_logits_equal_hf(pair):

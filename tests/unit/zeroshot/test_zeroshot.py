@@ -15,7 +15,7 @@ from tasks.zeroshot_gpt.detokenizer import wikitext_detokenize
 from tests.conftest import SHARED_DATA
 from tests.dist_utils import run_distributed
 from tests.unit.zeroshot.tp_body import LAMBADA, WIKI, tp2_body
-from tests.unit.inference.hf_gpt2 import to_hf_gpt2
+from megatron.core.inference.hf_gpt2 import to_hf_gpt2
 from tests.unit.inference.tiny import MERGES, VOCAB, tiny_args, tiny_model, write_checkpoint
 
 pytest.importorskip("transformers")
@@ -28,7 +28,7 @@ def setup(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
     write_checkpoint(ckpt, args)
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
-    return ckpt, tok, to_hf_gpt2(tiny_model(args), args)
+    return ckpt, tok, to_hf_gpt2(tiny_model(args))
 
 
 def _hf_logits(hf, ids):

@@ -1,12 +1,14 @@
-"""Our GPT's weights in a Hugging Face ``GPT2LMHeadModel``: the independent reference of the inference tests."""
+"""Our GPT's weights in a Hugging Face ``GPT2LMHeadModel``, the independent reference that the inference tests and
+``bench/generation.py`` compare against (``transformers`` is imported only when this is called)."""
 
 from __future__ import annotations
 
 import torch
 
 
-def to_hf_gpt2(model, args: dict):
-    """A ``transformers.GPT2LMHeadModel`` holding ``model``'s (a whole model at TP=1) weights, in float32."""
+def to_hf_gpt2(model, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
+    """A ``transformers.GPT2LMHeadModel`` holding the weights of ``model`` (a whole GPT at TP=1), on the same
+    device, in ``dtype``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = model.config
@@ -19,8 +21,10 @@ def to_hf_gpt2(model, args: dict):
         layer_norm_epsilon=cfg.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         tie_word_embeddings=cfg.share_embeddings_and_output_weights, bos_token_id=None, eos_token_id=None,
     )
-    hf = GPT2LMHeadModel(hf_cfg).eval()
-    sd = {k: v.float() for k, v in model.state_dict().items()}
+    with torch.device("meta"):  # no random initialisation: every weight is assigned below
+        hf = GPT2LMHeadModel(hf_cfg)
+    hf.config._attn_implementation = attn_implementation
+    sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
     out = {"transformer.wte.weight": sd["embedding.word_embeddings.weight"],
            "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
            "transformer.ln_f.weight": sd["decoder.final_layernorm.weight"],
@@ -44,11 +48,12 @@ def to_hf_gpt2(model, args: dict):
         for a, b in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
             out[theirs + b + ".weight"] = sd[ours + a + ".weight"]
             out[theirs + b + ".bias"] = sd[ours + a + ".bias"]
-    missing, unexpected = hf.load_state_dict(out, strict=False)
-    missing = [k for k in missing if not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias")]
+    if hf_cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+    out = {k: v.contiguous() for k, v in out.items()}
+    missing, unexpected = hf.load_state_dict(out, strict=False, assign=True)
     if missing or unexpected:
-        raise KeyError(f"HF mapping incomplete: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():  # the tie may have been broken by loading lm_head separately; re-tie if configured
-        if hf_cfg.tie_word_embeddings:
-            hf.tie_weights()
-    return hf
+        raise KeyError(f"GPT-2 mapping incomplete: missing {missing}, unexpected {unexpected}")
+    if hf_cfg.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()
