@@ -79,14 +79,15 @@ class CachedCoreAttention(nn.Module):
 
 
 def install_kv_cache(model: nn.Module) -> KVCache:
-    """Give every transformer layer of ``model`` a cached attention core sharing one new ``KVCache``."""
-    cache = KVCache()
+    """Give every transformer layer of ``model`` a cached attention core sharing one ``KVCache``; a model that
+    already has them keeps them and returns their cache (engines over one model share it)."""
     layers = model.decoder.layers
+    cores = [layer.self_attention.core_attention for layer in layers]
+    if cores and all(isinstance(c, CachedCoreAttention) for c in cores):
+        return cores[0].cache
+    cache = KVCache()
     for i, layer in enumerate(layers):
-        core = layer.self_attention.core_attention
-        if isinstance(core, CachedCoreAttention):
-            core = core.original
-        layer.self_attention.core_attention = CachedCoreAttention(core, cache, i)
+        layer.self_attention.core_attention = CachedCoreAttention(cores[i], cache, i)
     return cache
 
 

@@ -125,3 +125,11 @@ def test_bad_prompts_are_rejected(engine):
         engine.generate([[1, 128]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
+
+
+def test_engines_over_one_model_share_the_cache(engine):
+    other = InferenceEngine(engine.model, eod=0)
+    assert other.cache is engine.cache
+    prompts = random_prompts([3, 6], seed=12)
+    greedy = SamplingParams(max_new_tokens=5, greedy=True, stop_on_eod=False)
+    assert [o.tokens for o in engine.generate(prompts, greedy)] == [o.tokens for o in other.generate(prompts, greedy)]
