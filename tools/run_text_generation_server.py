@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,6 +83,10 @@ def main(argv=None) -> int:
     host, port = server.server_address[:2]
     print(f"> serving {args.load} (iteration {loaded.iteration}, {pstate.describe()}) on http://{host}:{port}",
           flush=True)
+    def _stop(signum, frame):  # SIGTERM ends the server as Ctrl-C does: the other ranks are told to stop
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
