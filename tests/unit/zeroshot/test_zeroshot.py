@@ -163,9 +163,9 @@ def test_real_files_equal_reference(setup, tmp_path):
     """The first part of the real test files (the full files take minutes even with a tiny model)."""
     ckpt, tok, hf = setup
     wiki = tmp_path / "wiki.raw"
-    wiki.write_text("".join(open(os.path.join(EVAL, "wikitext-test.raw"), encoding="utf-8").readlines()[:20]))
+    wiki.write_text("".join(open(os.path.join(EVAL, "wikitext-test.raw"), encoding="utf-8").readlines()[:8]))
     lam = tmp_path / "lambada.jsonl"
-    lam.write_text("".join(open(os.path.join(EVAL, "lambada_test.jsonl"), encoding="utf-8").readlines()[:20]))
+    lam.write_text("".join(open(os.path.join(EVAL, "lambada_test.jsonl"), encoding="utf-8").readlines()[:12]))
     got = _run(ckpt, "--task", "WIKITEXT103", "--valid-data", str(wiki), "--overlapping-eval", "32")
     want = reference_wikitext(hf, tok, str(wiki), SEQ, 32)
     assert abs(got["avg loss"] - want["avg loss"]) < 1e-4
