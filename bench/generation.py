@@ -102,9 +102,6 @@ def bench_shape(shape: str, args, device: torch.device) -> list:
               f"hf {row['hf']['tokens_per_s']:9.1f} tok/s, x{row['speedup_vs_hf']:.2f}, "
               f"greedy agreement {row['agreement']:.3f}", flush=True)
         rows.append(row)
-    del model, engine, hf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -139,7 +136,11 @@ def main(argv=None) -> int:
     if args.prompt_len < 1 or args.new_tokens < 1 or args.prompt_len + args.new_tokens > args.positions:
         p.error("need 1 <= --prompt-len, 1 <= --new-tokens and their sum <= --positions")
     device = torch.device(args.device)
-    rows = [row for shape in shapes for row in bench_shape(shape, args, device)]
+    rows = []
+    for shape in shapes:
+        rows += bench_shape(shape, args, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the shape's models are gone with bench_shape's frame
     if not args.no_write:
         table = ["| shape | batch | ours tok/s | HF tok/s | ours / HF | ours ms/step | HF ms/step | greedy agreement |",
                  "|---|---|---|---|---|---|---|---|"]

@@ -1,7 +1,6 @@
 """Loading training checkpoints for inference: any saved TP x PP layout into the asked TP, and clear errors."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ Skipped unless ``lm_eval`` is installed (``pip install lm_eval``, the ``eval`` e
 
 import json
 import math
-import os
 import textwrap
 
 import pytest

@@ -1,8 +1,6 @@
 """A checkpoint written by pretrain_gpt.py itself (a few CPU iterations on the bundled corpus, TP=2 so the
 loader re-splits it): generation and both zero-shot tasks equal Hugging Face GPT-2 holding the loaded weights."""
 
-import json
-import os
 
 import pytest
 import torch
