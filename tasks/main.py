@@ -3,6 +3,7 @@
     python tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens --load CKPT --overlapping-eval 32
     python tasks/main.py --task LAMBADA --valid-data lambada_test.jsonl --load CKPT --strict-lambada
     torchrun --nproc_per_node 2 tasks/main.py --task LAMBADA ...                      # tensor parallel
+    torchrun --nproc_per_node 2 tasks/main.py --pipeline-model-parallel-size 2 ...    # pipeline parallel
 
 WIKITEXT103: the raw text is detokenized, BPE-encoded and scored in windows of ``--seq-length`` tokens
 starting every ``--overlapping-eval`` tokens (default: no overlap; after the first window only the last
@@ -44,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--strict-lambada", action="store_true", help="require every token of the whole last word")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="must equal the number of processes (checked); the checkpoint may use any")
+                   help="must equal the number of processes / --pipeline-model-parallel-size (checked); the "
+                        "checkpoint may use any")
     g.add_argument("--log-interval", type=int, default=0, help="report progress every N batches (0: never)")
     g.add_argument("--results-file", default=None, help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -62,14 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.strict_lambada and args.task != "LAMBADA":
         p.error("--strict-lambada applies to --task LAMBADA")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tensor_model_parallel_size is not None and args.tensor_model_parallel_size != world:
+    tp = world // args.pipeline_model_parallel_size
+    if args.tensor_model_parallel_size is not None and args.tensor_model_parallel_size != tp:
         p.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} must equal the number of "
-                f"processes ({world})")
+                f"processes ({world}) / --pipeline-model-parallel-size ({args.pipeline_model_parallel_size})")
     return args
 
 
 def run(args) -> dict:
-    engine, pstate, _ = build_engine(args)
+    engine, _, _ = build_engine(args)
     seq = args.seq_length or engine.model.config.seq_length
     if seq > engine.max_length:
         raise ValueError(f"--seq-length {seq} exceeds the model's {engine.max_length} positions")
@@ -78,8 +81,7 @@ def run(args) -> dict:
     if args.task == "WIKITEXT103":
         stride = args.overlapping_eval or seq
         data = build_wikitext(args.valid_data, tok, seq, stride)
-        total = score_samples(engine.model, pstate, data.samples, args.micro_batch_size, "loss", log,
-                              args.log_interval)
+        total = score_samples(engine, data.samples, args.micro_batch_size, "loss", log, args.log_interval)
         loss = total / (data.num_tokenized_tokens - 1)
         ratio = (data.num_tokenized_tokens - 1) / max(data.num_original_tokens - 1, 1)
         result = {"task": args.task, "avg loss": loss, "ppl": math.exp(min(20.0, loss)),
@@ -90,8 +92,7 @@ def run(args) -> dict:
                 f"adjusted ppl: {result['adjusted ppl']:.4E} | token ratio: {ratio} |")
     else:
         samples = build_lambada(args.valid_data, tok, seq, args.strict_lambada)
-        correct = score_samples(engine.model, pstate, samples, args.micro_batch_size, "accuracy", log,
-                                args.log_interval)
+        correct = score_samples(engine, samples, args.micro_batch_size, "accuracy", log, args.log_interval)
         result = {"task": args.task, "number correct": int(correct), "total examples": len(samples),
                   "avg accuracy": correct / len(samples), "strict": args.strict_lambada, "seq length": seq}
         line = (f"validation results on {args.task} | number correct: {correct:.4E} | total examples: "

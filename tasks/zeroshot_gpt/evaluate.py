@@ -27,13 +27,15 @@ def vocab_parallel_argmax(logits: torch.Tensor, pstate: ParallelState) -> torch.
 
 
 @torch.no_grad()
-def score_samples(model, pstate: ParallelState, samples: List[tuple], micro_batch_size: int, metric: str,
+def score_samples(engine, samples: List[tuple], micro_batch_size: int, metric: str,
                   log: Optional[Callable[[str], None]] = None, log_interval: int = 0) -> float:
     """Sum over samples of the masked target loss (``metric="loss"``) or of 1 per sample whose every masked
-    target is the argmax (``metric="accuracy"``)."""
+    target is the argmax (``metric="accuracy"``). Collective over the model-parallel group of ``engine``
+    (an ``InferenceEngine``); every rank returns the sum the last pipeline stage computed."""
     if metric not in ("loss", "accuracy"):
         raise ValueError(f"metric must be loss or accuracy, got {metric}")
-    device = next(model.parameters()).device
+    device, pstate = engine.device, engine.pstate
+    engine.cache.release()  # full sequences, no KV cache
     total = 0.0
     batches = math.ceil(len(samples) / micro_batch_size)
     for n, start in enumerate(range(0, len(samples), micro_batch_size), 1):
@@ -41,14 +43,14 @@ def score_samples(model, pstate: ParallelState, samples: List[tuple], micro_batc
         tokens = torch.tensor([t for t, _ in chunk], dtype=torch.long, device=device)  # [b, s + 1]
         mask = torch.tensor([m for _, m in chunk], dtype=torch.float64, device=device)  # [b, s]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [b, s] each
-        positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)  # [b, s]
-        if metric == "loss":
-            losses = model(inputs, positions, labels=labels)  # [b, s], vocab-parallel cross-entropy
-            total += float((losses.double() * mask).sum())
-        else:
-            predicted = vocab_parallel_argmax(model(inputs, positions), pstate)  # [b, s]
-            correct = (predicted == labels) | (mask == 0)
+        out = engine.stage_forward(inputs, 0, labels=labels if metric == "loss" else None)
+        if out is None:  # not the last pipeline stage
+            pass
+        elif metric == "loss":  # out: [b, s] vocab-parallel cross-entropy
+            total += float((out.double() * mask).sum())
+        else:  # out: [b, s, V/tp] logits
+            correct = (vocab_parallel_argmax(out, pstate) == labels) | (mask == 0)  # [b, s]
             total += float(correct.all(dim=-1).sum())
         if log is not None and log_interval and n % log_interval == 0:
             log(f"> evaluated batch {n}/{batches}")
-    return total
+    return float(engine.from_last_stage(torch.tensor([total], dtype=torch.float64, device=device))[0])

@@ -138,11 +138,9 @@ def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
 def load_gpt_for_inference(load: str, pstate: Optional[ParallelState] = None, iteration: Optional[int] = None,
                            dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
                            attention_backend: str = "sdpa") -> LoadedModel:
-    """Build the GPT stored under ``load`` at ``pstate.tp_size`` (any), as one pipeline stage, in eval mode."""
+    """Build this rank's part of the GPT stored under ``load``, at ``pstate``'s TP and PP sizes (any, whatever the
+    checkpoint's), in eval mode. Layers are split evenly over the pipeline stages."""
     pstate = pstate or ParallelState.single()
-    if pstate.pp_size != 1:
-        raise CheckpointLoadError("inference runs the whole model on each rank: use pipeline size 1 "
-                                  "(checkpoints saved with any pipeline size load)")
     iteration, it_dir = resolve_iteration_dir(load, iteration)
     single = _rank_file(it_dir, 0, 0, 1)
     first = _read(single if os.path.isfile(single) else _rank_file(it_dir, 0, 0, 2))
@@ -157,21 +155,32 @@ def load_gpt_for_inference(load: str, pstate: Optional[ParallelState] = None, it
     if config.padded_vocab_size % pstate.tp_size or config.num_attention_heads % pstate.tp_size:
         raise CheckpointLoadError(f"tensor-parallel size {pstate.tp_size} divides neither the padded vocabulary "
                                   f"{config.padded_vocab_size} nor {config.num_attention_heads} heads evenly")
-    model = GPTModel(config, pstate)  # built on default_device(); the weights are loaded below
-    if saved_tp == pstate.tp_size:
-        state = _join_stages(it_dir, args, pstate.tp_rank)
-    else:
-        shards = [_join_stages(it_dir, args, t) for t in range(saved_tp)]
-        state = {}
-        for name, param in list(model.named_parameters()) + list(model.named_buffers()):
-            if name not in shards[0]:
-                continue  # reported by load_state_dict below
-            if getattr(param, "tensor_model_parallel", False):
-                dim = param.partition_dim
-                full = torch.cat([s[name] for s in shards], dim=dim)
-                state[name] = full.chunk(pstate.tp_size, dim=dim)[pstate.tp_rank]
-            else:
-                state[name] = shards[0][name]
+    if config.num_layers % pstate.pp_size:
+        raise CheckpointLoadError(f"pipeline size {pstate.pp_size} does not divide {config.num_layers} layers")
+    offset, count = layers_for_stage(config.num_layers, pstate.pp_size, pstate.pp_rank)
+    # built on default_device(); the weights are loaded below
+    model = GPTModel(config, pstate, pre_process=pstate.is_pipeline_first_stage,
+                     post_process=pstate.is_pipeline_last_stage, num_layers=count, layer_offset=offset)
+    tied = config.share_embeddings_and_output_weights
+
+    def global_name(name: str) -> str:
+        if tied and name == "output_layer.weight":  # the last stage's copy of the word embedding
+            return "embedding.word_embeddings.weight"
+        return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+    same_tp = saved_tp == pstate.tp_size
+    shards = [_join_stages(it_dir, args, t) for t in ([pstate.tp_rank] if same_tp else range(saved_tp))]
+    state = {}
+    for name, param in model.named_parameters():
+        key = global_name(name)
+        if key not in shards[0]:
+            continue  # reported by load_state_dict below
+        if same_tp or not getattr(param, "tensor_model_parallel", False):
+            state[name] = shards[0][key]
+        else:
+            dim = param.partition_dim
+            full = torch.cat([shard[key] for shard in shards], dim=dim)
+            state[name] = full.chunk(pstate.tp_size, dim=dim)[pstate.tp_rank]
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:

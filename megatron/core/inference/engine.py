@@ -1,8 +1,11 @@
-"""Batched text generation with a KV cache over this framework's GPT, on CPU or GPU, at any tensor-parallel size.
+"""Batched text generation with a KV cache over this framework's GPT, on CPU or GPU, with tensor and pipeline
+parallelism.
 
-Every tensor-parallel rank runs the same calls with the same arguments; the vocab-parallel logits are
-all-gathered so each rank sees the full vocabulary, and the chosen tokens are broadcast from the group's first
-rank so that all ranks continue with the same sequence.
+Every rank of the model-parallel group runs the same calls with the same arguments. Under tensor parallelism the
+vocab-parallel logits are all-gathered so each rank sees the full vocabulary, and the chosen tokens are broadcast
+from the group's first rank. Under pipeline parallelism each stage receives the previous stage's activations,
+runs its layers (with their own KV cache) and sends its output on; the last stage samples, and the chosen tokens
+(and at the end the log-probs) are broadcast from it to every stage, so that all ranks continue identically.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ class GenerationOutput:
 
 
 class InferenceEngine:
-    """Generation and scoring over one GPT (a whole model on each rank; TP shards it within the TP group)."""
+    """Generation and scoring over a GPT: the whole model, or this rank's pipeline stage of it (``pstate``)."""
 
     def __init__(self, model: torch.nn.Module, pstate: Optional[ParallelState] = None, tokenizer=None,
                  vocab_size: Optional[int] = None, eod: Optional[int] = None):
-        if not (model.pre_process and model.post_process):
-            raise ValueError("the inference engine needs a whole model (one pipeline stage)")
-        self.model = model.eval()
         self.pstate = pstate or ParallelState.single()
+        if (model.pre_process and model.post_process) != (self.pstate.pp_size == 1):
+            raise ValueError("the model must be the whole GPT at pipeline size 1, or this rank's stage of it")
+        self.model = model.eval()
+        self.first_stage, self.last_stage = model.pre_process, model.post_process
         self.tokenizer = tokenizer
         padded = model.config.padded_vocab_size
         self.vocab_size = vocab_size or (tokenizer.vocab_size if tokenizer is not None else padded)
@@ -57,19 +61,42 @@ class InferenceEngine:
 
     # ---- forward passes ------------------------------------------------------------------------------
     @torch.no_grad()
-    def _logits(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """``tokens [b, s]`` at positions ``start ..`` -> full-vocabulary float32 logits ``[b, s, V_padded]``."""
+    def stage_forward(self, tokens: torch.Tensor, start: int = 0, labels: Optional[torch.Tensor] = None):
+        """Run this rank's stage on ``tokens [b, s]`` at positions ``start ..``: the last stage returns the model's
+        output (vocab-parallel logits ``[b, s, V/tp]``, or per-token losses ``[b, s]`` given ``labels``), the
+        other stages send their activations on and return ``None``."""
         b, s = tokens.shape
         positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
-        logits = self.model(tokens, positions)  # [b, s, V/tp]
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.pstate.tp_group)
-        return logits.float()  # [b, s, V]
+        if not self.first_stage:
+            hidden = torch.empty(s, b, self.model.config.hidden_size, dtype=cache_dtype(self.model),
+                                 device=self.device)  # [s, b, h]
+            dist.recv(hidden, src=self.pstate.prev_pp_rank)
+            self.model.set_input_tensor(hidden)
+        out = self.model(tokens, positions, labels=labels)
+        if not self.last_stage:
+            dist.send(out.contiguous(), dst=self.pstate.next_pp_rank)  # [s, b, h]
+            return None
+        return out
+
+    def _logits(self, tokens: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+        """Full-vocabulary float32 logits ``[b, s, V_padded]`` on the last stage, ``None`` elsewhere."""
+        logits = self.stage_forward(tokens, start)  # [b, s, V/tp]
+        if logits is None:
+            return None
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.pstate.tp_group).float()
 
     @torch.no_grad()
-    def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of a whole batch ``[b, s]`` recomputed without the cache (the reference path)."""
+    def forward_logits(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits of a whole batch ``[b, s]`` recomputed without the cache (the reference path); under pipeline
+        parallelism only the last stage gets them (``None`` elsewhere)."""
         self.cache.release()
         return self._logits(tokens.to(self.device), 0)
+
+    def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """Broadcast ``t`` from the last pipeline stage to every stage (in place; identity without PP)."""
+        if self.pstate.pp_size > 1:
+            dist.broadcast(t, src=self.pstate.pp_ranks[-1], group=self.pstate.pp_group)
+        return t
 
     # ---- generation ----------------------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new: int) -> List[int]:
@@ -97,7 +124,8 @@ class InferenceEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[GenerationOutput]:
-        """Continue each token-id prompt; all prompts share ``params``. Collective over the TP group."""
+        """Continue each token-id prompt; all prompts share ``params``. Collective over the model-parallel group
+        (every rank gets the same outputs)."""
         if (params.stop_on_eol or params.stop_strings) and self.tokenizer is None:
             raise ValueError("stop_on_eol and stop_strings need a tokenizer")
         if params.stop_on_eod and self.eod is None:
@@ -126,30 +154,26 @@ class InferenceEngine:
         try:
             prev, cur = 0, min_len
             while True:
-                logits = self._logits(tokens[:, prev:cur], prev)  # [b, cur - prev, V]
+                logits = self._logits(tokens[:, prev:cur], prev)  # [b, cur - prev, V]; None off the last stage
                 self.cache.offset = cur
-                if logprobs is not None and cur - prev > 1:  # prompt tokens inside this chunk
+                if logprobs is not None and logits is not None and cur - prev > 1:  # prompt tokens in this chunk
                     lp = F.log_softmax(logits[:, :-1], dim=-1)  # [b, cur - prev - 1, V]
                     target = tokens[:, prev + 1:cur].unsqueeze(-1)  # [b, cur - prev - 1, 1]
                     logprobs[:, prev + 1:cur] = lp.gather(-1, target).squeeze(-1)
                 if cur >= total or (all(done) and cur >= max_prompt):
                     break
-                last = logits[:, -1]  # [b, V]
-                chosen = self._broadcast(sample_next(last, params, self.vocab_size, gen))  # [b]
+                if logits is not None:
+                    chosen = self._broadcast(sample_next(logits[:, -1], params, self.vocab_size, gen))  # [b]
+                else:
+                    chosen = torch.empty(b, dtype=torch.long, device=self.device)
+                chosen = self.from_last_stage(chosen)
                 in_prompt = cur < lengths_t
                 chosen = torch.where(in_prompt, tokens[:, cur], chosen)
                 finished = torch.tensor(done, device=self.device) & ~in_prompt
                 tokens[:, cur] = torch.where(finished, torch.full_like(chosen, pad), chosen)
-                if logprobs is not None or params.top_logprobs:
-                    lp_last = F.log_softmax(last, dim=-1)  # [b, V]
-                if logprobs is not None:
-                    logprobs[:, cur] = lp_last.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-                if params.top_logprobs:
-                    k = min(params.top_logprobs, self.vocab_size)
-                    top_vals, top_ids = torch.topk(lp_last[:, :self.vocab_size], k, dim=-1)  # [b, k]
-                    for i in range(b):
-                        if not done[i] and cur >= lengths[i]:
-                            tops[i].append(list(zip(top_ids[i].tolist(), top_vals[i].tolist())))
+                if logits is not None:
+                    self._record_logprobs(logits[:, -1], chosen, cur, params, logprobs, tops,
+                                          [not done[i] and cur >= lengths[i] for i in range(b)])
                 step_tokens = tokens[:, cur].tolist()  # one device-to-host copy per step
                 for i in range(b):
                     if done[i] or cur < lengths[i]:
@@ -163,6 +187,12 @@ class InferenceEngine:
                 prev, cur = cur, cur + 1
         finally:
             self.cache.release()
+        if logprobs is not None:
+            logprobs = self.from_last_stage(logprobs)
+        if params.top_logprobs and self.pstate.pp_size > 1:
+            box = [tops]
+            dist.broadcast_object_list(box, src=self.pstate.pp_ranks[-1], group=self.pstate.pp_group)
+            tops = box[0]
         outputs = []
         tok_list = tokens.tolist()
         lp_list = logprobs.tolist() if logprobs is not None else None
@@ -178,6 +208,22 @@ class InferenceEngine:
                 out.text = text if text_cut[i] is None else text[:text_cut[i]]
             outputs.append(out)
         return outputs
+
+    def _record_logprobs(self, last: torch.Tensor, chosen: torch.Tensor, cur: int, params: SamplingParams,
+                         logprobs: Optional[torch.Tensor], tops: List[list], generating: List[bool]) -> None:
+        """Log-prob of each chosen token at position ``cur`` (from the logits ``last [b, V]`` before it) and, for
+        the sequences generating there, the ``top_logprobs`` most likely tokens."""
+        if logprobs is None and not params.top_logprobs:
+            return
+        lp = F.log_softmax(last, dim=-1)  # [b, V]
+        if logprobs is not None:
+            logprobs[:, cur] = lp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        if params.top_logprobs:
+            k = min(params.top_logprobs, self.vocab_size)
+            top_vals, top_ids = torch.topk(lp[:, :self.vocab_size], k, dim=-1)  # [b, k]
+            for i, active in enumerate(generating):
+                if active:
+                    tops[i].append(list(zip(top_ids[i].tolist(), top_vals[i].tolist())))
 
     def _stop_reason(self, generated: List[int], params: SamplingParams):
         """``(reason, text cut)`` when the generated tokens end the sequence, else ``(None, None)``."""

@@ -93,6 +93,8 @@ def install_kv_cache(model: nn.Module) -> KVCache:
 
 def attention_shape(model: nn.Module) -> tuple:
     """``(num_layers, heads on this rank, head_dim)`` of the model's layers."""
+    if len(model.decoder.layers) == 0:
+        return 0, 1, 1
     attn = model.decoder.layers[0].self_attention
     return len(model.decoder.layers), attn.heads_per_rank, attn.head_dim
 

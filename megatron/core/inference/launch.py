@@ -1,7 +1,8 @@
 """Command-line setup shared by the inference tools: flags, process group, checkpoint, tokenizer, engine.
 
-One process runs the whole model; under ``torchrun --nproc_per_node N`` the N processes form one
-tensor-parallel group (the checkpoint may have been saved at any TP and PP size).
+One process runs the whole model; under ``torchrun --nproc_per_node N`` the N processes form one model-parallel
+group of N / ``--pipeline-model-parallel-size`` tensor-parallel ranks times that many pipeline stages (the
+checkpoint may have been saved at any TP and PP size).
 """
 
 from __future__ import annotations
@@ -32,17 +33,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="parameter dtype (default: the checkpoint's on GPU, fp32 on CPU)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     g.add_argument("--attention-backend", choices=["sdpa", "unfused"], default="sdpa")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (the processes not in it form the tensor-parallel size)")
 
 
-def _init_distributed(device: str) -> ParallelState:
+def _init_distributed(device: str, pp: int) -> ParallelState:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if pp < 1 or world % pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the {world} processes")
     if world == 1:
         return ParallelState.single()
     if not dist.is_initialized():
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    return ParallelState.build(tensor_model_parallel_size=dist.get_world_size())
+    return ParallelState.build(tensor_model_parallel_size=world // pp, pipeline_model_parallel_size=pp)
 
 
 def build_tokenizer_from(args: argparse.Namespace, saved: dict):
@@ -62,7 +67,7 @@ def build_engine(args: argparse.Namespace) -> tuple:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    pstate = _init_distributed(device)
+    pstate = _init_distributed(device, args.pipeline_model_parallel_size)
     dtype: Optional[torch.dtype] = DTYPES[args.dtype] if args.dtype else (None if device == "cuda" else torch.float32)
     try:
         loaded = load_gpt_for_inference(args.load, pstate, iteration=args.iteration, dtype=dtype,

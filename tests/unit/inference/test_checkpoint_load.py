@@ -52,43 +52,40 @@ def test_errors_name_the_file(tmp_path):
         load_gpt_for_inference(str(tmp_path))
 
 
-def _tp2_body(rank, world_size, ckpts, out_path):
-    pstate = ParallelState.build(tensor_model_parallel_size=2)
-    results = []
-    for ckpt in ckpts:
-        engine = InferenceEngine(load_gpt_for_inference(ckpt, pstate).model, pstate, eod=0)
-        prompts = random_prompts([3, 7, 5], seed=4)
-        greedy = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_on_eod=False,
-                                                         logprobs=True))
-        sampled = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.3, top_p=0.9, seed=5,
-                                                          stop_on_eod=False))
-        results.append({"greedy": [o.tokens for o in greedy], "logprobs": [o.logprobs for o in greedy],
-                        "sampled": [o.tokens for o in sampled]})
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-
-
-def test_tp2_generation_equals_tp1(tmp_path):
-    """Checkpoints saved at TP=1 (re-split on load) and at TP=2 (read shard by shard), run at TP=2."""
-    ckpts = []
-    for saved_tp in (1, 2):
-        ckpts.append(str(tmp_path / f"ckpt_tp{saved_tp}"))
-        write_checkpoint(ckpts[-1], tiny_args(tensor_model_parallel_size=saved_tp))
-    out_path = str(tmp_path / "tp2.json")
-    run_distributed(_tp2_body, world_size=2, args=(ckpts, out_path))
-    for ckpt, tp2 in zip(ckpts, json.load(open(out_path))):
-        _compare_with_tp1(ckpt, tp2)
-
-
-def _compare_with_tp1(ckpt, tp2):
-    engine = InferenceEngine(load_gpt_for_inference(ckpt).model, eod=0)
+def _generate_all(engine):
     prompts = random_prompts([3, 7, 5], seed=4)
     greedy = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_on_eod=False,
-                                                     logprobs=True))
-    assert tp2["greedy"] == [o.tokens for o in greedy]
-    for a, b in zip(tp2["logprobs"], greedy):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+                                                     logprobs=True, top_logprobs=2))
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.3, top_p=0.9, seed=5,
                                                       stop_on_eod=False))
-    assert tp2["sampled"] == [o.tokens for o in sampled]
+    return {"greedy": [o.tokens for o in greedy], "logprobs": [o.logprobs for o in greedy],
+            "top": [o.top_logprobs for o in greedy], "sampled": [o.tokens for o in sampled]}
+
+
+def _parallel_body(rank, world_size, ckpts, out_path):
+    """TP=2 on both checkpoints, then PP=2 (every rank writes what it got: all ranks must agree)."""
+    results = []
+    for sizes in ({"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}):
+        pstate = ParallelState.build(**sizes)
+        for ckpt in ckpts:
+            engine = InferenceEngine(load_gpt_for_inference(ckpt, pstate).model, pstate, eod=0)
+            results.append(_generate_all(engine))
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(results, f)
+
+
+def test_tp2_and_pp2_generation_equal_tp1(tmp_path):
+    """Checkpoints saved at TP=1 and at TP=2 x PP=2, run at TP=2 (re-split, or read shard by shard) and at PP=2."""
+    ckpts = [str(tmp_path / "ckpt_tp1"), str(tmp_path / "ckpt_tp2pp2")]
+    write_checkpoint(ckpts[0], tiny_args())
+    write_checkpoint(ckpts[1], tiny_args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    out_path = str(tmp_path / "parallel.json")
+    run_distributed(_parallel_body, world_size=2, args=(ckpts, out_path))
+    want = _generate_all(InferenceEngine(load_gpt_for_inference(ckpts[0]).model, eod=0))
+    for rank in range(2):
+        for got in json.load(open(f"{out_path}.{rank}")):
+            assert got["greedy"] == want["greedy"] and got["sampled"] == want["sampled"]
+            for a, b in zip(got["logprobs"], want["logprobs"]):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+            assert [[[t for t, _ in step] for step in seq] for seq in got["top"]] == \
+                [[[t for t, _ in step] for step in seq] for seq in want["top"]]

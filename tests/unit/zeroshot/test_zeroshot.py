@@ -144,15 +144,16 @@ def test_bad_inputs(setup, tmp_path):
         _run(ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI, "--seq-length", "64")
 
 
-def test_tp2_equals_tp1(setup, tmp_path):
+def test_tp2_and_pp2_equal_tp1(setup, tmp_path):
     ckpt, _, _ = setup
     out = str(tmp_path / "tp2.json")
     run_distributed(tp2_body, world_size=2, args=(ckpt, out))
-    wiki2, lambada2 = json.load(open(out))
     wiki1 = _run(ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI)
     lambada1 = _run(ckpt, "--task", "LAMBADA", "--valid-data", LAMBADA)
-    assert abs(wiki1["avg loss"] - wiki2["avg loss"]) < 1e-5
-    assert lambada1["number correct"] == lambada2["number correct"]
+    results = json.load(open(out))
+    for wiki2, lambada2 in (results[:2], results[2:]):  # TP=2, then PP=2
+        assert abs(wiki1["avg loss"] - wiki2["avg loss"]) < 1e-5
+        assert lambada1["number correct"] == lambada2["number correct"]
 
 
 EVAL = os.path.join(SHARED_DATA, "eval")

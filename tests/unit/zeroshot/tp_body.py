@@ -1,4 +1,4 @@
-"""The tensor-parallel body of the zero-shot test, in a module that does not import ``transformers`` (the spawned
+"""The tensor- and pipeline-parallel body of the zero-shot test, in a module that does not import ``transformers`` (the spawned
 processes import it)."""
 
 import json
@@ -11,8 +11,9 @@ WIKI, LAMBADA = os.path.join(FIXTURES, "wikitext_tiny.raw"), os.path.join(FIXTUR
 
 
 def tp2_body(rank, world_size, ckpt, out):
-    results = [run(parse_args(["--load", ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI,
-                               "--tensor-model-parallel-size", "2"])),
-               run(parse_args(["--load", ckpt, "--task", "LAMBADA", "--valid-data", LAMBADA]))]
+    results = []
+    for layout in (["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):
+        results.append(run(parse_args(["--load", ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI, *layout])))
+        results.append(run(parse_args(["--load", ckpt, "--task", "LAMBADA", "--valid-data", LAMBADA, *layout])))
     if rank == 0:
         json.dump(results, open(out, "w"))
