@@ -70,6 +70,15 @@ def test_health_and_valid_requests(served):
     assert all(len(t) <= 2 for t in choice["logprobs"]["top_logprobs"])
     assert ans["usage"] == {"prompt_tokens": 1, "completion_tokens": len(out.generated),
                             "total_tokens": 1 + len(out.generated)}
+    # echo with no new tokens scores the prompt
+    status, ans = request(port, "POST", "/v1/completions", {"prompt": "The keeper lived here", "max_tokens": 0,
+                                                           "echo": True, "logprobs": 0})
+    scored = engine.generate_text(["The keeper lived here"], SamplingParams(max_new_tokens=0, logprobs=True))[0]
+    choice = ans["choices"][0]
+    assert status == 200 and choice["text"] == "The keeper lived here"
+    assert choice["logprobs"]["token_logprobs"] == [None] + scored.logprobs
+    assert "".join(choice["logprobs"]["tokens"]) == "The keeper lived here"
+    assert choice["logprobs"]["text_offset"] == [0, 3, 10, 16]
 
 
 MALFORMED = [
