@@ -78,11 +78,14 @@ class InferenceEngine:
             return None
         return out
 
-    def _logits(self, tokens: torch.Tensor, start: int) -> Optional[torch.Tensor]:
-        """Full-vocabulary float32 logits ``[b, s, V_padded]`` on the last stage, ``None`` elsewhere."""
+    def _logits(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> Optional[torch.Tensor]:
+        """Full-vocabulary float32 logits ``[b, s, V_padded]`` (``[b, 1, V_padded]`` for the last position only)
+        on the last stage, ``None`` elsewhere."""
         logits = self.stage_forward(tokens, start)  # [b, s, V/tp]
         if logits is None:
             return None
+        if last_only:
+            logits = logits[:, -1:]  # [b, 1, V/tp]: neither gathered nor copied for the other positions
         return tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.pstate.tp_group).float()
 
     @torch.no_grad()
@@ -154,13 +157,14 @@ class InferenceEngine:
         try:
             prev, cur = 0, min_len
             while True:
-                logits = self._logits(tokens[:, prev:cur], prev)  # [b, cur - prev, V]; None off the last stage
+                # [b, cur - prev, V] (or [b, 1, V] without log-probs); None off the last stage
+                logits = self._logits(tokens[:, prev:cur], prev, last_only=logprobs is None)
                 self.cache.offset = cur
                 if logprobs is not None and logits is not None and cur - prev > 1:  # prompt tokens in this chunk
                     lp = F.log_softmax(logits[:, :-1], dim=-1)  # [b, cur - prev - 1, V]
                     target = tokens[:, prev + 1:cur].unsqueeze(-1)  # [b, cur - prev - 1, 1]
                     logprobs[:, prev + 1:cur] = lp.gather(-1, target).squeeze(-1)
-                if cur >= total or (all(done) and cur >= max_prompt):
+                if cur >= total or (all(done) and (logprobs is None or cur >= max_prompt)):
                     break
                 if logits is not None:
                     chosen = self._broadcast(sample_next(logits[:, -1], params, self.vocab_size, gen))  # [b]
