@@ -101,7 +101,8 @@ def _lambada_with_model_endings(ckpt, tok, out_path):
         for i, text in enumerate(lines):
             if i % 2 == 0:
                 context = text[:text.rfind(text.split()[-1])].rstrip()
-                best = int(engine.forward_logits(torch.tensor([tok.tokenize(context)]))[0, -1, :tok.vocab_size].argmax())
+                logits = engine.forward_logits(torch.tensor([tok.tokenize(context)]))[0, -1]  # [V]
+                best = int(logits[:tok.vocab_size].argmax())
                 text = context + tok.detokenize([best])
             f.write(json.dumps({"text": text}) + "\n")
 

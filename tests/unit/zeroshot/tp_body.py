@@ -1,5 +1,5 @@
-"""The tensor- and pipeline-parallel body of the zero-shot test, in a module that does not import ``transformers`` (the spawned
-processes import it)."""
+"""The tensor- and pipeline-parallel body of the zero-shot test, in a module that does not import
+``transformers`` (the spawned processes import it)."""
 
 import json
 import os
