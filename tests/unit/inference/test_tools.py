@@ -76,3 +76,33 @@ def test_server_script_and_client(ckpt):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_tensor_parallel_server(ckpt):
+    """Two ranks under torchrun: rank 0 serves, rank 1 follows; answers equal the single-process engine's."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(master_port),
+                               os.path.join(ROOT, "tools/run_text_generation_server.py"), "--load", ckpt,
+                               "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        line = server.stdout.readline()
+        assert "TP 2 x PP 1" in line, line + server.stderr.read()
+        address = line.strip().rsplit("http://", 1)[1]
+        body = {"prompts": ["The tower", "A keeper"], "tokens_to_generate": 5, "top_k": 8, "random_seed": 4,
+                "logprobs": True}
+        req = urllib.request.Request(f"http://{address}/api", data=json.dumps(body).encode(), method="PUT")
+        answer = json.loads(urllib.request.urlopen(req, timeout=300).read())
+        want = _engine(ckpt).generate_text(body["prompts"], SamplingParams(max_new_tokens=5, top_k=8, seed=4,
+                                                                           logprobs=True))
+        assert answer["text"] == [p + o.text for p, o in zip(body["prompts"], want)]
+        for got, out in zip(answer["logprobs"], want):
+            assert max(abs(a - b) for a, b in zip(got, out.logprobs)) < 1e-5
+    finally:
+        server.terminate()  # torchrun passes SIGTERM to both ranks (and itself exits non-zero, as it does)
+        server.wait(timeout=120)
