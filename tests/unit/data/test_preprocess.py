@@ -15,7 +15,8 @@ from megatron.core.datasets import IndexedDataset
 from megatron.core.datasets import preprocessing as P
 from megatron.core.datasets.indexed_dataset import optimal_dtype
 from megatron.core.tokenizer import build_tokenizer
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import ROOT
+from tests.unit.data.shared_files import shared_file
 
 VOCAB = os.path.join(ROOT, "data", "gpt2-vocab.json")
 MERGES = os.path.join(ROOT, "data", "gpt2-merges.txt")
@@ -61,7 +62,7 @@ def test_prose_prefix_byte_identical_to_megatron(tmp_path):
     """First 1,500 documents of prose.jsonl, 2 workers: the files Megatron-LM's procedure writes."""
     golden = json.load(open(GOLDEN))
     src = tmp_path / "prose_head.jsonl"
-    with gzip.open(os.path.join(SHARED_DATA, "corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f, \
+    with gzip.open(shared_file("corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f, \
             open(src, "w", encoding="utf-8") as g:
         for i, line in zip(range(golden["first_lines"]), f):
             g.write(line)
@@ -212,7 +213,7 @@ def test_split_sentences_offline(tmp_path, monkeypatch):
 
 def test_bert_tokenizer_preprocess(tmp_path):
     _write_jsonl(tmp_path / "in.jsonl", [{"text": "Hello World."}, {"text": "Second."}])
-    vocab = os.path.join(SHARED_DATA, "bert", "vocab.txt")
+    vocab = shared_file("bert", "vocab.txt")
     P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "b", tokenizer_type="BertWordPieceLowerCase",
                       vocab_file=vocab, merge_file=None))
     ds = IndexedDataset(str(tmp_path / "b_text_document"))

@@ -7,17 +7,18 @@ import os
 import pytest
 
 from megatron.core.tokenizer import build_tokenizer
-from tests.conftest import SHARED_DATA
+from tests.conftest import ROOT
 from tests.unit.data.reference_bpe import ReferenceGPT2BPE
+from tests.unit.data.shared_files import shared_file
 
-GPT2_VOCAB = os.path.join(SHARED_DATA, "gpt2", "vocab.json")
-GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "merges.txt")
-BERT_VOCAB = os.path.join(SHARED_DATA, "bert", "vocab.txt")
+# the bundled GPT-2 files (byte-identical to ../shared/data/gpt2/, see data/README.md)
+GPT2_VOCAB = os.path.join(ROOT, "data", "gpt2-vocab.json")
+GPT2_MERGES = os.path.join(ROOT, "data", "gpt2-merges.txt")
 
 
 def _real_texts(n=60):
     texts = []
-    with gzip.open(os.path.join(SHARED_DATA, "corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f:
+    with gzip.open(shared_file("corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f:
         for i, line in enumerate(f):
             if i % 250 == 0:
                 texts.append(json.loads(line)["text"][:3000])
@@ -49,14 +50,15 @@ def test_gpt2_matches_reference_bpe_on_real_text():
 
 
 def test_bert_wordpiece():
-    low = build_tokenizer("BertWordPieceLowerCase", vocab_file=BERT_VOCAB)
+    vocab = shared_file("bert", "vocab.txt")
+    low = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
     assert low.vocab_size == 30524  # 30,522 + [BOS] + [EOS], as Megatron-LM
     assert low.eod == 30523
     ids = low.tokenize("Hello World, Café unaffable!")
     # bert-base-uncased: hello=7592 world=2088 ,=1010 cafe=7668 un ##aff ##able !
     assert ids == [7592, 2088, 1010, 7668, 14477, 20961, 3468, 999]
     assert low.detokenize(ids) == "hello world, cafe unaffable!"
-    case = build_tokenizer("BertWordPieceCase", vocab_file=BERT_VOCAB)
+    case = build_tokenizer("BertWordPieceCase", vocab_file=vocab)
     assert case.tokenize("Hello") != low.tokenize("Hello")  # no lower-casing: 'Hello' is split or [UNK]
     assert case.tokenize_batch(["a b", "c"]) == [case.tokenize("a b"), case.tokenize("c")]
 
