@@ -1,10 +1,12 @@
-"""``build_gpt_datasets``: train/valid/test datasets from ``--data-path``, ``--split`` and sample counts.
+"""``build_gpt_datasets`` / ``build_bert_datasets``: train/valid/test datasets from ``--data-path``, ``--split``
+and sample counts.
 
 Follows Megatron-Core's ``BlendedMegatronDatasetBuilder`` for a blend shared by all splits:
 
 * ``--split "949,50,1"`` is normalised to fractions; split ``i`` covers documents
   ``[round(lo_i * docs), round(hi_i * docs))`` of every dataset, ``lo``/``hi`` the running sums;
-* one prefix without a weight: each split is one ``GPTDataset`` asked for the split's sample count;
+* one prefix without a weight: each split is one dataset (``GPTDataset`` or ``BERTMaskedDataset``) asked
+  for the split's sample count;
 * weighted prefixes: dataset ``j`` is asked for ``ceil(ceil(n_i * w_j) * 1.005)`` samples of split ``i``
   (the 0.5% surplus) and the split is a ``BlendedDataset`` of ``sum_j ceil(n_i * w_j)`` samples;
 * several prefixes without weights: every dataset is one epoch; the split blends them by their sizes,
@@ -26,6 +28,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.core.datasets.bert_dataset import BERTMaskedDataset, BertDatasetConfig, check_sentence_data
 from megatron.core.datasets.blended_dataset import BlendedDataset, normalize
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, dataset_exists
@@ -121,11 +124,30 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
                                 barrier)
 
 
+def build_bert_datasets(data_path: Sequence[str], split: str, config: BertDatasetConfig,
+                        train_valid_test_num_samples: Sequence[int], cache_dir: Optional[str] = None,
+                        is_rank_0: bool = True, barrier: Optional[Callable[[], None]] = None):
+    """(train, valid, test) masked-LM datasets of sentence-split data (``BERTMaskedDataset`` items)."""
+
+    def make(ds: IndexedDataset, documents: np.ndarray, num_samples: Optional[int], name: str, build: bool):
+        return BERTMaskedDataset(ds, documents, num_samples, config, name, cache_dir, build)
+
+    return build_split_datasets(make, data_path, split, train_valid_test_num_samples, cache_dir, is_rank_0,
+                                barrier, check=_check_bert_data)
+
+
+def _check_bert_data(indexed: Sequence[IndexedDataset]) -> None:
+    for ds in indexed:
+        check_sentence_data(ds)
+
+
 def build_split_datasets(make: Callable, data_path: Sequence[str], split: str,
                          train_valid_test_num_samples: Sequence[int], cache_dir: Optional[str] = None,
-                         is_rank_0: bool = True, barrier: Optional[Callable[[], None]] = None):
+                         is_rank_0: bool = True, barrier: Optional[Callable[[], None]] = None,
+                         check: Optional[Callable[[Sequence[IndexedDataset]], None]] = None):
     """(train, valid, test) of any dataset class: ``make(indexed, documents, num_samples, split_name, build)``
-    returns one split's dataset of one prefix; blends are built around them as the module doc says."""
+    returns one split's dataset of one prefix; blends are built around them as the module doc says.
+    ``check(indexed_datasets)`` validates the data on every rank before any barrier."""
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples needs 3 counts, got {train_valid_test_num_samples}")
     sizes = [int(n) for n in train_valid_test_num_samples]
@@ -139,6 +161,8 @@ def build_split_datasets(make: Callable, data_path: Sequence[str], split: str,
     wanted = [bounds[i] is not None and sizes[i] > 0 for i in range(3)]
     indexed = [IndexedDataset(p) for p in prefixes]
     check_splits_not_empty(indexed, bounds, wanted, split)
+    if check is not None:
+        check(indexed)
 
     def build_all(build: bool):
         return _build(make, indexed, weights, bounds, sizes, wanted, cache_dir, build)
