@@ -266,3 +266,21 @@ def test_bulk_encoder_exact_on_hash_colliding_pieces():
         flat, lens = tok.tokenize_batch_flat(texts)
         assert lens.tolist() == [len(tok.tokenize(t)) for t in texts]
         assert flat.tolist() == [i for t in texts for i in tok.tokenize(t)]
+
+
+def test_bert_wordpiece_equals_reference_on_real_and_edge_text():
+    """Ids equal an independent restatement of Megatron-LM's BERT tokenizer: real prose, long words (Megatron's
+    limit is 200 characters), literal "[EOS]"/"[CLS]" in the text (ordinary text, not special ids), Unicode."""
+    from tests.unit.data.reference_wordpiece import ReferenceWordPiece
+
+    vocab = shared_file("bert", "vocab.txt")
+    edge = ["hello " + "ab" * 60 + " " + "ab" * 101, "x [EOS] y [BOS] [CLS] [SEP] [MASK] [PAD] [UNK]",
+            "İstanbul ǅ ﬁ Ⅻ café NAÏVE", "a\u200bb\u00adc \x00 \ufffd d", "日本語 한국어 ﾊﾝ", "ß ẞ Σ ς", ""]
+    texts = _real_texts(25) + edge
+    for lower in (True, False):
+        ours = build_tokenizer("BertWordPieceLowerCase" if lower else "BertWordPieceCase", vocab_file=vocab)
+        ref = ReferenceWordPiece(vocab, lower_case=lower)
+        assert ours.vocab_size == len(ref.vocab) == 30524
+        for text in texts:
+            assert ours.tokenize(text) == ref.tokenize(text), text[:80]
+        assert ours.tokenize_batch(texts) == [ref.tokenize(t) for t in texts]
