@@ -22,6 +22,8 @@ Returns the masked tokens and the masked positions (ascending) with their origin
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -59,18 +61,27 @@ def _word_candidates(tokens: List[int], special: Tuple[int, int], continuation: 
     return groups
 
 
+@functools.lru_cache(maxsize=None)
+def _ngram_cdf(max_ngram: int, longer: bool) -> List[float]:
+    """The CDF ``RandomState.choice`` builds from the n-gram probabilities (1/n normalised, optionally reversed)."""
+    sizes = np.arange(max_ngram, dtype=np.int64) + 1
+    probs = 1.0 / sizes
+    probs = probs / probs.sum(keepdims=True)
+    if longer:
+        probs = probs[::-1]
+    probs = probs / probs.sum(keepdims=True)
+    cdf = probs.cumsum()
+    cdf /= cdf[-1]
+    return cdf.tolist()
+
+
 def mask_tokens(tokens: List[int], target_length: int, rng: np.random.RandomState, cfg: MaskingConfig,
                 cls_id: int, sep_id: int, mask_id: int, continuation: np.ndarray, lookup: np.ndarray
                 ) -> Tuple[List[int], List[int], List[int]]:
     """(masked tokens, masked positions, original tokens at them); ``lookup`` is the replacement pool."""
     groups = _word_candidates(tokens, (cls_id, sep_id), continuation, cfg.whole_word)
     budget = min(cfg.mask_prob * target_length, max(1, int(round(len(tokens) * cfg.mask_prob))))
-    sizes = np.arange(cfg.max_ngram, dtype=np.int64) + 1
-    probs = 1.0 / sizes
-    probs = probs / probs.sum(keepdims=True)
-    if cfg.use_longer_ngrams:
-        probs = probs[::-1]
-    probs = probs / probs.sum(keepdims=True)
+    cdf = _ngram_cdf(cfg.max_ngram, cfg.use_longer_ngrams)
 
     order = list(range(len(groups)))
     rng.shuffle(order)  # a list shuffles with the same draws as Megatron's list of n-gram lists
@@ -84,7 +95,8 @@ def mask_tokens(tokens: List[int], target_length: int, rng: np.random.RandomStat
         if cfg.use_geometric_distribution:
             n = min(int(rng.geometric(0.2)), cfg.max_ngram)
         else:
-            n = int(rng.choice(sizes, p=probs))
+            # RandomState.choice(1..N, p=probs) draws one random_sample() and searches the normalised CDF
+            n = bisect.bisect_right(cdf, rng.random_sample()) + 1
         positions: List[int] = []
         while n > 0:
             positions = [p for group in groups[start:start + n] for p in group]

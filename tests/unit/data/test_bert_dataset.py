@@ -120,7 +120,7 @@ def test_real_sentence_data_equals_megatron_core(tmp_path):
     _compare(build_bert_datasets([prefix], c["split"], _config(c, vocab), c["sizes"]), real["splits"])
 
 
-REAL_LINES = 400
+REAL_LINES = 120
 
 
 def _real_sentence_data(tmp_path, corpus, vocab_file, P):

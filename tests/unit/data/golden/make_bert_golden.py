@@ -10,7 +10,15 @@ It writes the synthetic sentence datasets of bert_golden_spec.py with Megatron-C
 builds the BERT splits of every configuration with BlendedMegatronDatasetBuilder, and records every split's
 length, the sha256 of all its items (fields in a fixed order) and its first items field by field.
 With ``--real PREFIX VOCAB`` it also records the binary-head configuration on a real ``_text_sentence``
-dataset (made by tools/preprocess_data.py --split-sentences from ../shared data; see the test).
+dataset. The committed record was made from the first 120 documents of ../shared/data/corpus/prose.jsonl.gz
+with the bert-base-uncased vocabulary, preprocessed by this project (the test checks the files' sha256):
+
+    PYTHONPATH=$PWD python -c "import pathlib; from megatron.core.datasets import preprocessing as P; \
+        from tests.unit.data.test_bert_dataset import _real_sentence_data; \
+        _real_sentence_data(pathlib.Path('/tmp/real'), '../shared/data/corpus/prose.jsonl.gz', \
+                            '../shared/data/bert/vocab.txt', P)"
+    /tmp/mcore/bin/python tests/unit/data/golden/make_bert_golden.py \
+        --real /tmp/real/prose_text_sentence ../shared/data/bert/vocab.txt
 """
 
 import argparse
@@ -47,12 +55,9 @@ class _WordPieceTokenizer:
 
 
 def read_vocab(path):
-    tokens = []
+    """Megatron's BERT vocabulary: ids are line numbers of vocab.txt, then [BOS] and [EOS]."""
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            token = line.rstrip("\n").strip()
-            if token and token not in tokens[-1:]:
-                tokens.append(token)
+        tokens = [line.strip() for line in f]
     return tokens + [t for t in ("[BOS]", "[EOS]") if t not in tokens]
 
 
