@@ -175,3 +175,39 @@ def test_bad_input_one_clear_line(tmp_path):
     _write(str(one), [[[5] * 600, [6]]] + [[[7, 8]]] * 5, 507)
     with pytest.raises(ValueError, match=r"no document has 2 or more sentences.*--bert-no-binary-head"):
         build_bert_datasets([str(one)], "1", _config({**c, "binary_head": True}), (10, 0, 0))
+
+
+def test_inspect_tool_bert_json_equals_megatron_core(prefixes, tmp_path, capsys):
+    """tools/inspect_dataset.py --dataset-type bert with pretrain_bert's flags prints Megatron-Core's samples."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("inspect_dataset", os.path.join(ROOT, "tools", "inspect_dataset.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    vocab_file = tmp_path / "vocab.txt"
+    vocab_file.write_text("\n".join(vocab_tokens()[:-2]) + "\n")  # the tokenizer appends [BOS] and [EOS]
+    for name, flags in (("binary_head", []),
+                        ("no_binary_head_single_tokens", ["--bert-no-binary-head", "--no-whole-word-masking",
+                                                          "--masking-max-ngram", "1"])):
+        c = CONFIGS[name]
+        argv = ["--dataset-type", "bert", "--data-path", prefixes["S"], "--vocab-file", str(vocab_file),
+                "--split", c["split"], "--seq-length", str(c["seq_length"]), "--seed", str(c["seed"]),
+                "--num-samples", *map(str, c["sizes"]), "--mask-prob", str(c["mask_prob"]),
+                "--short-seq-prob", str(c["short_seq_prob"]), "--show", str(SHOW), "--json", *flags]
+        assert tool.main(argv) == 0
+        report = json.loads(capsys.readouterr().out)
+        for split in ("train", "valid", "test"):
+            want = GOLDEN["configs"][name][split]
+            if want is None:
+                assert report[split] == {"len": 0, "samples": []}
+            else:
+                assert report[split] == {"len": want["len"], "samples": want["first"]}, (name, split)
+    with pytest.raises(SystemExit):  # argparse: --dataset-type bert needs --vocab-file
+        tool.main(["--dataset-type", "bert", "--data-path", prefixes["S"], "--seq-length", "64",
+                   "--num-samples", "1", "0", "0"])
+    assert "needs --vocab-file" in capsys.readouterr().err
+    assert tool.main(["--dataset-type", "bert", "--data-path", prefixes["S"], "--vocab-file", str(vocab_file),
+                      "--seq-length", "4", "--num-samples", "1", "0", "0"]) == 1
+    assert capsys.readouterr().err.strip().startswith("error: --seq-length 4 is too short")
