@@ -211,3 +211,19 @@ def test_inspect_tool_bert_json_equals_megatron_core(prefixes, tmp_path, capsys)
     assert tool.main(["--dataset-type", "bert", "--data-path", prefixes["S"], "--vocab-file", str(vocab_file),
                       "--seq-length", "4", "--num-samples", "1", "0", "0"]) == 1
     assert capsys.readouterr().err.strip().startswith("error: --seq-length 4 is too short")
+
+
+def test_python_loops_equal_c(monkeypatch):
+    """Without a C compiler the Python walk and Fisher-Yates give the C loops' sample map."""
+    from megatron.core.datasets import bert_samples
+
+    rs = np.random.RandomState(4)
+    counts = rs.randint(0, 9, size=400)
+    lengths = rs.randint(1, 50, size=int(counts.sum()))
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    if bert_samples._load_c() is None:
+        pytest.skip("no C compiler (or MEGATRON_NO_C_HELPERS=1): the Python loops are the only ones")
+    with_c = [build_sample_map(bounds, lengths, n, 61, p, 17, m) for n, p, m in ((5000, 0.1, 2), (None, 0.5, 1))]
+    monkeypatch.setattr(bert_samples, "_load_c", lambda: None)
+    without = [build_sample_map(bounds, lengths, n, 61, p, 17, m) for n, p, m in ((5000, 0.1, 2), (None, 0.5, 1))]
+    assert all(np.array_equal(a, b) for a, b in zip(with_c, without)) and with_c[0].shape[0] >= 5000
