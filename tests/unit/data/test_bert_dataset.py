@@ -227,3 +227,19 @@ def test_python_loops_equal_c(monkeypatch):
     monkeypatch.setattr(bert_samples, "_load_c", lambda: None)
     without = [build_sample_map(bounds, lengths, n, 61, p, 17, m) for n, p, m in ((5000, 0.1, 2), (None, 0.5, 1))]
     assert all(np.array_equal(a, b) for a, b in zip(with_c, without)) and with_c[0].shape[0] >= 5000
+
+
+def test_data_loader_batches_bert_fields(prefixes):
+    import torch
+
+    from megatron.core.datasets import build_pretraining_data_loader
+
+    c = CONFIGS["binary_head"]
+    train, _, _ = build_bert_datasets([prefixes["S"]], c["split"], _config(c), c["sizes"])
+    batch = next(iter(build_pretraining_data_loader(train, consumed_samples=4, micro_batch_size=2,
+                                                    data_parallel_rank=1, data_parallel_size=2)))
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {
+        "text": (2, 64), "types": (2, 64), "labels": (2, 64), "loss_mask": (2, 64), "padding_mask": (2, 64),
+        "is_random": (2,), "truncated": (2,)}
+    assert all(v.dtype == torch.int64 for v in batch.values())
+    assert torch.equal(batch["labels"][0], torch.from_numpy(train[6]["labels"]))
