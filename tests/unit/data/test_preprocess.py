@@ -259,3 +259,13 @@ def test_bert_sentences_byte_identical_to_megatron_procedure(tmp_path):
     got = str(tmp_path / "ours_text_sentence")
     assert _sha(got + ".bin") == _sha(want + ".bin") and _sha(got + ".idx") == _sha(want + ".idx")
     assert len(IndexedDataset(got)) > 5 * len(lines)  # several sentences per document
+
+
+def test_runs_in_one_process_do_not_leak_settings(tmp_path):
+    """A --split-sentences run followed by a plain run in the same process: the second writes documents."""
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "First sentence. Second sentence."}, {"text": "Third one."}])
+    P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "s", split_sentences=True))
+    for workers in (1, 2):
+        P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / f"d{workers}", workers=workers))
+        ds = IndexedDataset(str(tmp_path / f"d{workers}_text_document"))
+        assert len(ds) == 2 and ds.document_indices.tolist() == [0, 1, 2]
