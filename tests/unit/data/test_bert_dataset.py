@@ -99,6 +99,8 @@ def test_samples_equal_megatron_core(prefixes, config, tmp_path):
     again = build_bert_datasets(data_path, c["split"], _config(c), c["sizes"], cache_dir=cache)
     last = len(again[0]) - 1
     assert all(np.array_equal(again[0][last][f], datasets[0][last][f]) for f in FIELDS)
+    for ds in getattr(again[0], "datasets", [again[0]]):
+        assert isinstance(ds.sample_index, np.memmap)  # loaded from the cache, not rebuilt
 
 
 def test_real_sentence_data_equals_megatron_core(tmp_path):
@@ -157,7 +159,9 @@ def test_sample_map_rules():
         assert b <= bounds[doc + 1] and b - a >= 2 and 2 <= t <= 12
     assert len(starts) == m.shape[0]
     longer = build_sample_map(bounds, lengths, 20, 12, 0.5, 3, 2)  # whole epochs until 20 samples
-    assert longer.shape[0] >= 20 and longer.shape[0] % m.shape[0] != 1
+    epochs = int((longer[:, 0] == 0).sum())  # every epoch has one sample starting at sentence 0
+    cover = np.bincount([s for a, b, _ in longer.tolist() for s in range(a, b)], minlength=14)
+    assert longer.shape[0] >= 20 and epochs >= 2 and cover[covered].tolist() == [epochs] * len(covered)
 
 
 def test_bad_input_one_clear_line(tmp_path):
