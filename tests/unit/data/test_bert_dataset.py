@@ -247,3 +247,25 @@ def test_data_loader_batches_bert_fields(prefixes):
         "is_random": (2,), "truncated": (2,)}
     assert all(v.dtype == torch.int64 for v in batch.values())
     assert torch.equal(batch["labels"][0], torch.from_numpy(train[6]["labels"]))
+
+
+def _dist_build(rank, world, prefix, cache):
+    import torch
+    import torch.distributed as dist
+
+    c = CONFIGS["binary_head"]
+    train, _, _ = build_bert_datasets([prefix], c["split"], _config(c), c["sizes"], cache_dir=cache,
+                                      is_rank_0=rank == 0, barrier=dist.barrier)
+    if rank != 0:
+        assert isinstance(train.sample_index, np.memmap)  # rank 0's cached map, not rebuilt
+    got = torch.from_numpy(np.stack([train[i]["text"] for i in range(0, len(train), 9)]))
+    ref = got.clone()
+    dist.broadcast(ref, 0)
+    assert torch.equal(got, ref)
+
+
+def test_rank0_builds_others_mmap(prefixes, tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_dist_build, 2, (prefixes["S"], str(tmp_path / "cache")))
+    assert [f.endswith("-sample_index.npy") for f in os.listdir(tmp_path / "cache")].count(True) == 3  # train, valid, test
