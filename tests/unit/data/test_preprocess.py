@@ -230,35 +230,21 @@ def test_flag_errors(tmp_path):
         P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "nodir" / "x"))
 
 
-def test_bert_sentences_byte_identical_to_megatron_procedure(tmp_path):
-    """--split-sentences with BertWordPieceLowerCase on real prose writes the files of Megatron-LM's procedure:
-    Punkt sentences of each document, the ids of every non-empty sentence (independent WordPiece restatement),
-    one document per line, uint16 ids (written by the .bin/.idx builder that equals Megatron-Core's)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    from megatron.core.datasets.sentence_splitter import SentenceSplitter
-    from tests.unit.data.reference_wordpiece import ReferenceWordPiece
-
+def test_bert_sentences_byte_identical_to_megatron(tmp_path):
+    """--split-sentences with BertWordPieceLowerCase on real prose (plus an empty document and a literal [EOS])
+    writes the files of Megatron-LM's procedure with its own BERT tokenizer (golden/make_bert_preprocess_golden.py)."""
+    golden = json.load(open(os.path.join(os.path.dirname(GOLDEN), "bert_preprocess_golden.json")))
     vocab = shared_file("bert", "vocab.txt")
     src = tmp_path / "prose_head.jsonl"
     with gzip.open(shared_file("corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f, \
             open(src, "w", encoding="utf-8") as g:
-        lines = [line for _, line in zip(range(150), f)]
-        g.writelines(lines + ['{"text": ""}\n', '{"text": "One [EOS] sentence. Another one!"}\n'])
+        g.writelines([line for _, line in zip(range(golden["first_lines"]), f)] + golden["extra_lines"])
     P.preprocess(_cfg(src, tmp_path / "ours", tokenizer_type="BertWordPieceLowerCase", vocab_file=vocab,
                       merge_file=None, split_sentences=True, append_eod=False, workers=2))
-    ref, splitter = ReferenceWordPiece(vocab), SentenceSplitter()
-    want = str(tmp_path / "ref_text_sentence")
-    builder = IndexedDatasetBuilder(want + ".bin", np.uint16)
-    with open(src, encoding="utf-8") as f:
-        for line in f:
-            ids = [s for s in (ref.tokenize(t) for t in splitter.split(json.loads(line)["text"])) if s]
-            for sentence in ids:
-                builder.add_item(sentence)
-            builder.end_document()
-    builder.finalize(want + ".idx")
     got = str(tmp_path / "ours_text_sentence")
-    assert _sha(got + ".bin") == _sha(want + ".bin") and _sha(got + ".idx") == _sha(want + ".idx")
-    assert len(IndexedDataset(got)) > 5 * len(lines)  # several sentences per document
+    assert os.path.getsize(got + ".bin") == golden["bin_bytes"] and os.path.getsize(got + ".idx") == golden["idx_bytes"]
+    assert _sha(got + ".bin") == golden["bin_sha256"] and _sha(got + ".idx") == golden["idx_sha256"]
+    assert len(IndexedDataset(got)) > 5 * golden["first_lines"]  # several sentences per document
 
 
 def test_runs_in_one_process_do_not_leak_settings(tmp_path):
