@@ -4,7 +4,7 @@ A ``_text_sentence`` dataset stores one sequence per sentence and groups sentenc
 sample is a run of consecutive sentences of one document. For the documents of a split, epoch after epoch:
 
 * a document is used when it has at least ``min_sentences`` sentences (2 with the binary head, else 1)
-  and none of them is longer than 512 tokens;
+  and, if it has two or more, none of them is longer than 512 tokens;
 * each sample gets a target length: ``max_length`` (the sequence length minus [CLS] and two [SEP]), or,
   with probability about ``short_seq_prob``, a shorter one. The draws come from one 32-bit Mersenne
   Twister seeded with ``seed`` (``std::mt19937``): with ``ratio = round(1 / short_seq_prob)`` a draw ``r``
