@@ -97,7 +97,7 @@ def make_forward_step(args, pstate):
 
 
 def datasets_provider(args, pstate, num_samples):
-    from megatron.core.datasets.gpt_dataset import build_gpt_datasets
+    from megatron.core.datasets.builder import build_gpt_datasets
     import torch.distributed as dist
 
     print_rank_0(f"> building GPT datasets for {num_samples} (train, valid, test) samples")
