@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megatron.core.models.bert import BertModel, initialize_bert_parameters
 from megatron.core.models.bert_hf_mapping import hf_to_megatron_bert, is_post_ln_checkpoint, megatron_to_hf_bert
-from megatron.core.models.bert_loss import bert_loss_func
+from megatron.core.models.bert_loss import bert_loss_func, make_bert_forward_step
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.core.transformer.config import TransformerConfig
@@ -197,3 +197,23 @@ def test_bad_configuration_is_named():
         _config(attention_mask_type="bidir")
     with pytest.raises(ValueError, match="neither bert.embeddings.LayerNorm"):
         is_post_ln_checkpoint({"foo": torch.zeros(1)})
+
+
+def test_forward_step_reads_megatron_fields_and_names_missing_ones():
+    ps = ParallelState.single()
+    cfg = _config()
+    model = BertModel(cfg, ps)
+    initialize_bert_parameters(model, 5, cfg, ps)
+    ids, types, padding = _batch()
+    labels = torch.where(torch.arange(SEQ) % 3 == 1, ids, -1)
+    sample = dict(text=ids, types=types, labels=labels, is_random=torch.tensor([1, 0, 1]),
+                  loss_mask=(labels >= 0).long(), padding_mask=padding)
+    output, loss_func = make_bert_forward_step(ps, binary_loss_name="nsp loss")(iter([sample]), model)
+    loss, report = loss_func(output)
+    assert set(report) == {"lm loss", "nsp loss"}
+    direct = bert_loss_func(sample["loss_mask"], sample["is_random"],
+                            model(ids, padding, tokentype_ids=types, lm_labels=labels))[0]
+    torch.testing.assert_close(loss, direct, rtol=0, atol=0)
+    gpt_sample = {"text": ids}
+    with pytest.raises(ValueError, match="missing types, labels, is_random, loss_mask, padding_mask"):
+        make_bert_forward_step(ps)(iter([gpt_sample]), model)
