@@ -2,9 +2,10 @@
 
 The dataset is generated here: each sample is ``[CLS] A [SEP] B [SEP]`` padded to the sequence length, segment A
 (two thirds of the tokens) drawn from one half of a tiny WordPiece vocabulary and B (one third) from the other,
-swapped (``is_random`` 1) half of the time, with 15% of the tokens masked. Both the MLM loss (the segments' unigram statistics) and the sentence-order
-loss are learnable, so training must lower them; and the loss and grad norm of every iteration must be the same
-with one process, TP2 with sequence parallelism, PP2 and DP2 with the distributed optimizer.
+swapped (``is_random`` 1) half of the time, with 15% of the tokens masked. The MLM loss (the segments' unigram
+statistics) and the sentence-order loss (segment lengths and ranges) are both learnable, so training must lower
+them; and the loss and grad norm of every iteration must be the same with one process, TP2 with sequence
+parallelism, PP2 and DP2 with the distributed optimizer.
 """
 
 import json
@@ -156,3 +157,21 @@ def test_losses_and_grad_norms_match_across_layouts(vocab, tmp_path):
             for it, (got, ref) in enumerate(zip(hist, reference)):
                 for key in ("lm loss", "sop loss", "grad_norm"):
                     assert got[key] == pytest.approx(ref[key], rel=1e-5), (name, it + 1, key, got[key], ref[key])
+
+
+@pytest.mark.xfail(strict=True, reason="pretrain() builds the data iterators after restoring the checkpoint's RNG "
+                   "state, and creating a DataLoader iterator draws from the torch CPU generator, so dropout masks "
+                   "shift after a resume (restoring the RNG state around _build_iterators makes this pass)")
+def test_resume_is_bit_exact_with_dropout(vocab, tmp_path):
+    """Three iterations, save, exit; resume for three more: the same losses as six uninterrupted iterations."""
+    drop = {"attention-dropout": 0.1, "hidden-dropout": 0.1}
+    whole = _history(pretrain_bert.main(_argv(vocab, 6, **drop), datasets=in_memory_datasets))
+    ckpt = str(tmp_path / "ckpt")
+    first = pretrain_bert.main(_argv(vocab, 6, **drop, **{"exit-interval": 3, "save": ckpt}),
+                               datasets=in_memory_datasets)
+    assert first["iteration"] == 3
+    second = pretrain_bert.main(_argv(vocab, 6, **drop, **{"load": ckpt, "save": ckpt}), datasets=in_memory_datasets)
+    resumed = _history(second)
+    assert [row["iteration"] for row in second["history"]] == [4, 5, 6]
+    assert _history(first) == whole[:3]
+    assert resumed == whole[3:]
