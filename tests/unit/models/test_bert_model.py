@@ -217,3 +217,25 @@ def test_forward_step_reads_megatron_fields_and_names_missing_ones():
     gpt_sample = {"text": ids}
     with pytest.raises(ValueError, match="missing types, labels, is_random, loss_mask, padding_mask"):
         make_bert_forward_step(ps)(iter([gpt_sample]), model)
+
+
+def test_fp8_layers_track_bf16():
+    """The encoder's FP8 GEMMs (the GPT's FP8 path) under the padding mask stay close to the bf16 model."""
+    ps = ParallelState.single()
+    ids, types, padding = _batch()
+    ids, types, padding = ids[:2], types[:2], padding[:2]  # 32 tokens: FP8 GEMM sizes are multiples of 16
+    labels = torch.where(torch.arange(SEQ) % 4 == 1, ids, -1)
+    results = []
+    for fp8 in (None, "e4m3"):
+        cfg = _config(params_dtype=torch.bfloat16, fp8=fp8, ffn_hidden_size=128)
+        model = BertModel(cfg, ps)
+        initialize_bert_parameters(model, 13, cfg, ps)
+        lm, binary = model(ids, padding, tokentype_ids=types, lm_labels=labels)
+        loss, _ = bert_loss_func((labels >= 0).float(), torch.tensor([0, 1]), (lm, binary))
+        loss.backward()
+        qkv = model.encoder.layers[0].self_attention.linear_qkv.weight.grad.float()
+        results.append((loss.detach().float(), qkv))
+    (loss_bf16, g_bf16), (loss_fp8, g_fp8) = results
+    assert torch.isfinite(loss_fp8) and abs(loss_fp8 - loss_bf16) / loss_bf16 < 0.02, (loss_fp8, loss_bf16)
+    assert (g_fp8 - g_bf16).norm() / g_bf16.norm() < 0.15
+    assert not torch.equal(g_fp8, g_bf16)  # the FP8 path did run
