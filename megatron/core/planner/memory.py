@@ -164,7 +164,9 @@ def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkA
         kept += act * s * b * h / sp_div + act * s * b * h  # final LayerNorm input; output gathered for the GEMM
         logits = act * s * b * v / t
         fused = layout.cross_entropy_fusion and t == 1
-        transient = max(transient, logits + (0 if fused else 12 * s * b * v / t))  # fp32 copies and grads
+        # the eager vocab-parallel loss keeps one fp32 copy of the local logits (softmax, then its gradient in
+        # place) and casts the gradient back; the fused loss (TP 1) writes the gradient into the logits
+        transient = max(transient, logits + (0 if fused else 4 * s * b * v / t))
     return ChunkActivations(kept, transient)
 
 
