@@ -119,6 +119,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str) -> floa
         total += 2 * act * sbh / sp_div  # two dropout masks
     if fp8:
         total += (4 * h * h + 2 * h * f) / t  # transposed FP8 weights kept for the backward
+        total += 4 * (7 if core else 8)  # fp32 scales of the GEMM operands
     return total
 
 
