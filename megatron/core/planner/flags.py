@@ -56,9 +56,12 @@ def add_layout_arguments(p: argparse.ArgumentParser, for_search: bool) -> None:
     g.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with TP > 1)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 main params and Adam moments over DP")
-    g.add_argument("--recompute-granularity", choices=["selective", "full"], default=None)
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-granularity", choices=["selective", "full"], default=None,
+                   help="selective: recompute the attention core and/or GeLU; full: keep only layer inputs")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recomputation: uniform groups of --recompute-num-layers, or the first N layers (block)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per group (uniform) or recomputed layers per stage (block, selective)")
     g.add_argument("--recompute-modules", nargs="*", default=["core_attn", "mlp_act"],
                    help="what selective recomputation covers: core_attn and/or mlp_act")
     g.add_argument("--micro-batch-size", type=int, default=d, help="sequences per microbatch")
@@ -70,7 +73,8 @@ def add_layout_arguments(p: argparse.ArgumentParser, for_search: bool) -> None:
     g.add_argument("--overlap-param-gather", action="store_true", help="overlap the param all-gather with forward")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="fused vocabulary cross-entropy (TP 1: no fp32 copy of the logits)")
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="adam keeps two fp32 moments per parameter, sgd one momentum")
     g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash", "cudnn", "unfused", "auto"],
                    help="sdpa/flash/cudnn keep no s x s scores; unfused keeps them")
 
