@@ -108,6 +108,8 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     layer_gemm_fwd = (gemm_seconds(cal, tokens, 3 * h // t, h, prec) + gemm_seconds(cal, tokens, h, h // t, prec)
                       + gemm_seconds(cal, tokens, f // t, h, prec) + gemm_seconds(cal, tokens, h, f // t, prec))
     attn_fwd_flops = 2.0 * s * s * b * h / t  # QK^T and xV, causal half
+    if shape.model == "bert":
+        attn_fwd_flops *= 2  # bidirectional: the whole s x s square
     attn_rate = _interp([[float(k), v] for k, v in cal["attention_tflops"].items()], float(d)) * 1e12
     attn_fwd = attn_fwd_flops / attn_rate
     if layout.attention_backend == "unfused":
