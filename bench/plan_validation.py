@@ -5,6 +5,7 @@ Two modes:
     python bench/plan_validation.py --run [--only NAME,...]   # on the GPU: run every configuration with
         pretrain_gpt.py (through bench/gpu_throughput.py --run-ours, which prints the peak allocated memory),
         read ms/iteration from the log and peak memory, and write bench/results/plan_validation.{json,md}
+    python bench/plan_validation.py --run-one -- pretrain_gpt.py FLAGS   # one run, printing PLAN_MEM peaks
     python bench/plan_validation.py --from-records            # anywhere: the same comparison for the runs
         already recorded in bench/results (the measurements the shipped H200 calibration was derived from)
 
@@ -18,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -122,8 +124,37 @@ def from_records(calibration: dict) -> list:
     return rows
 
 
+def run_one(argv: list) -> None:
+    """Run a trainer entry point in this process; at exit print its allocator peak, reserved peak and the device
+    memory used outside the allocator (CUDA context, cuBLAS workspaces, NCCL buffers)."""
+    import atexit
+    import runpy
+
+    import torch
+
+    def report():
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            outside = total - free - torch.cuda.memory_reserved()
+            print(f"PLAN_MEM allocated {torch.cuda.max_memory_allocated()} reserved "
+                  f"{torch.cuda.max_memory_reserved()} outside {outside}", flush=True)
+
+    atexit.register(report)
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def _peaks(text: str) -> dict:
+    found = [tuple(int(x) for x in m) for m in re.findall(r"PLAN_MEM allocated (\d+) reserved (\d+) outside (-?\d+)",
+                                                         text)]
+    if not found:
+        return {}
+    alloc, reserved, outside = (max(f[i] for f in found) for i in range(3))
+    return {"allocated": alloc / 2 ** 30, "reserved": reserved / 2 ** 30, "outside": outside / 2 ** 30}
+
+
 def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert_vocab: str) -> list:
-    from bench.gpu_throughput import parse_ours_log, prepare_dataset
+    from bench.gpu_throughput import parse_ours_log, prepare_dataset  # the benchmark's data and log parsing
 
     workdir = tempfile.mkdtemp(prefix="plan_validation_")
     data = prepare_dataset(workdir)
@@ -147,7 +178,7 @@ def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert
                "--eval-iters 0 --log-interval 1 --seed 1234")
         launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                        f"--nproc_per_node={gpus}"]
-        cmd = launcher + [os.path.join(ROOT, "bench", "gpu_throughput.py"), "--run-ours", "--",
+        cmd = launcher + [os.path.join(ROOT, "bench", "plan_validation.py"), "--run-one", "--",
                           os.path.join(ROOT, entry)] + shlex.split(run)
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         with open(os.path.join(log_dir, f"{name}.log"), "w") as f:
@@ -156,9 +187,13 @@ def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert
             print(f"{name}: exit {proc.returncode}; see {log_dir}/{name}.log", flush=True)
             continue
         res = parse_ours_log(proc.stdout + proc.stderr, warmup)
+        peaks = _peaks(proc.stdout + proc.stderr)
         model = " --model bert" if entry == "pretrain_bert.py" else ""
         row = make_row(name, f"{entry} {full}", predicted(full + model, gpus, calibration), round(res["ms_per_iter"], 1),
-                       round(res["peak_mem_gib"], 2) if res["peak_mem_gib"] else None, "measured by this run")
+                       round(peaks["allocated"], 2) if peaks else None, "measured by this run")
+        if peaks:
+            row.update(measured_reserved_gib=round(peaks["reserved"], 2),
+                       outside_allocator_gib=round(peaks["outside"], 2))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -173,19 +208,28 @@ def markdown(rows: list, title: str, calibration: dict, command: str) -> str:
         out += ["In-sample: the calibration's fitted entries (overheads, element-wise and intra-node collective rates) "
                 "were chosen on these recorded runs, so this table shows the model's fit, not its accuracy on new "
                 "configurations; `--run` measures fresh configurations for that.", ""]
-    out += [
-
-           "| config | predicted peak GiB | measured peak GiB | error | predicted ms/iter | measured ms/iter | "
+    out += ["| config | predicted peak GiB | measured peak GiB | error | predicted ms/iter | measured ms/iter | "
            "error | source |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['config']} | {r['predicted_peak_mem_gib']} | {r['measured_peak_mem_gib']} | "
                    f"{100 * r.get('mem_error', 0):+.1f}% | {r['predicted_ms_per_iter']} | {r['measured_ms_per_iter']} | "
                    f"{100 * r.get('time_error', 0):+.1f}% | {r['source']} |")
+    ratios = sorted(r["measured_reserved_gib"] / r["measured_peak_mem_gib"] for r in rows
+                    if r.get("measured_reserved_gib") and r.get("measured_peak_mem_gib"))
+    outside = sorted(r["outside_allocator_gib"] for r in rows if r.get("outside_allocator_gib") is not None)
+    if ratios:
+        out += ["", f"Allocator: reserved / allocated peak {ratios[0]:.3f}-{ratios[-1]:.3f} (the calibration's "
+                f"memory.reserved_over_allocated: use {ratios[-1]:.3f}); device memory outside the allocator "
+                f"{outside[0]:.2f}-{outside[-1]:.2f} GiB (memory.outside_allocator_bytes: use "
+                f"{outside[-1] * 2 ** 30:.3g})."]
     out += ["", "Commands:", ""] + [f"- {r['config']}: `{r['command']}`" for r in rows]
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--run-one":
+        run_one(sys.argv[3:] if sys.argv[2] == "--" else sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--run", action="store_true", help="run every configuration on this machine's GPU(s)")

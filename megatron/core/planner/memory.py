@@ -198,26 +198,33 @@ class StageMemory:
     state: Dict[str, int]
     activations: float
     transient: float
-    overhead: float
-    total: float
+    total: float  # predicted peak of the PyTorch allocator (torch.cuda.max_memory_allocated)
+    required: float  # what the GPU must hold: total x reserved/allocated + memory outside the allocator
     params: int
 
 
 def stage_memory(shape: ModelShape, layout: Layout, num_microbatches: int, calibration: dict,
                  pp_rank: int) -> StageMemory:
-    """Peak bytes of one pipeline rank (DP rank 0: the largest distributed-optimizer shard)."""
+    """Peak bytes of one pipeline rank (DP rank 0: the largest distributed-optimizer shard).
+
+    ``total`` is the allocator's peak (what ``torch.cuda.max_memory_allocated`` reports). Whether a layout fits is
+    decided on ``required``: the allocator keeps more than it hands out (cached, fragmented blocks: the
+    calibration's ``reserved_over_allocated``, measured by ``bench/plan_validation.py --run``), and the CUDA
+    context, cuBLAS workspaces and NCCL buffers live outside it (``outside_allocator_bytes``, plus
+    ``nccl_buffer_bytes`` when any parallel group has more than one rank).
+    """
     chunks = stage_chunks(shape, layout, pp_rank)
     acts = [chunk_activations(shape, layout, c) for c in chunks]
     kept = in_flight_peak(layout, pp_rank, num_microbatches, [a.kept for a in acts])
     transient = max(a.transient for a in acts)
     state = state_bytes(shape, layout, pp_rank, 0)
+    total = state["total"] + kept + transient
     mem = calibration.get("memory", {})
-    overhead = float(mem.get("fixed_overhead_bytes", 0))
+    outside = float(mem.get("outside_allocator_bytes", 0))
     if layout.dp > 1 or layout.tp > 1 or layout.pp > 1:
-        overhead += float(mem.get("nccl_buffer_bytes", 0))
-    frag = float(mem.get("fragmentation", 1.0))
-    total = (state["total"] + kept + transient) * frag + overhead
-    return StageMemory(pp_rank, state, kept, transient, overhead, total, param_count(shape, layout, pp_rank))
+        outside += float(mem.get("nccl_buffer_bytes", 0))
+    required = total * float(mem.get("reserved_over_allocated", 1.0)) + outside
+    return StageMemory(pp_rank, state, kept, transient, total, required, param_count(shape, layout, pp_rank))
 
 
 def peak_memory(shape: ModelShape, layout: Layout, num_microbatches: int, calibration: dict) -> StageMemory:

@@ -41,7 +41,11 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.memory_limit_bytes
+        return self.required_bytes <= self.memory_limit_bytes
+
+    @property
+    def required_bytes(self) -> float:
+        return self.stages[self.heaviest_stage].required
 
     @property
     def ms_per_iter(self) -> float:
@@ -55,11 +59,11 @@ class Prediction:
             "micro_batch_size": self.layout.micro_batch_size, "num_microbatches": self.num_microbatches,
             "global_batch_size": self.global_batch_size,
             "fits": self.fits, "peak_mem_gib": self.peak_bytes / GIB, "heaviest_stage": self.heaviest_stage,
-            "memory_limit_gib": self.memory_limit_bytes / GIB,
+            "memory_limit_gib": self.memory_limit_bytes / GIB, "required_mem_gib": self.required_bytes / GIB,
             "stage_peak_mem_gib": [st.total / GIB for st in self.stages],
             "params_per_rank": [st.params for st in self.stages],
             "heaviest_stage_bytes": {**heavy.state, "activations": heavy.activations, "transient": heavy.transient,
-                                     "overhead": heavy.overhead},
+                                     "required": heavy.required},
             "ms_per_iter": self.ms_per_iter, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "mfu_peak_tflops": self.mfu_peak_tflops, "mfu_peak": self.mfu_peak_name,
             "time_ms": {"per_microbatch": self.time.per_microbatch * 1e3, "bubble": self.time.bubble * 1e3,
@@ -100,7 +104,7 @@ def predict(shape: ModelShape, layout: Layout, cluster: Cluster, calibration: di
                          f"is {cluster.num_gpus}")
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     stages = [stage_memory(shape, layout, m, calibration, r) for r in range(layout.pp)]
-    heaviest = max(range(layout.pp), key=lambda r: stages[r].total)
+    heaviest = max(range(layout.pp), key=lambda r: stages[r].required)
     slow = max(range(layout.pp), key=lambda r: _stepped_elements(shape, layout, r))
     t = iteration_time(shape, layout, cluster, calibration, m, _stepped_elements(shape, layout, slow),
                        _buffer_elements(shape, layout, slow))
@@ -200,8 +204,9 @@ def format_prediction(pred: Prediction) -> str:
              f"heaviest stage {pred.heaviest_stage}: params {g(heavy.state['params'])} | main grads "
              f"{g(heavy.state['main_grads'])} | main params {g(heavy.state['main_params'])} | optimizer state "
              f"{g(heavy.state['optimizer_state'])} | activations {g(heavy.activations)} | transient "
-             f"{g(heavy.transient)} | overhead {g(heavy.overhead)} | predicted peak {g(pred.peak_bytes)}"]
-    margin = pred.memory_limit_bytes - pred.peak_bytes
+             f"{g(heavy.transient)} | allocator peak {g(pred.peak_bytes)} | with cached blocks, CUDA context "
+             f"and NCCL buffers {g(pred.required_bytes)}"]
+    margin = pred.memory_limit_bytes - pred.required_bytes
     if pred.fits:
         lines.append(f"fits: {g(margin)} free of {g(pred.memory_limit_bytes)} per GPU")
     else:
