@@ -50,7 +50,7 @@ def state_bytes(shape: ModelShape, layout: Layout, pp_rank: int = 0, dp_rank: in
     params = grads = stepped = 0
     pbytes = layout.param_bytes
     for chunk in stage_chunks(shape, layout, pp_rank):
-        numels = chunk_param_numels(shape, layout.tp, chunk, layout.pp)
+        numels = chunk_param_numels(shape, layout.tp, chunk)
         if not numels:
             continue
         bks = buckets_of(list(reversed(numels)), layout.ddp_bucket_size, layout.dp, layout.distributed_optimizer)
@@ -71,7 +71,7 @@ def state_bytes(shape: ModelShape, layout: Layout, pp_rank: int = 0, dp_rank: in
 
 def param_count(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
     """Parameters held by one (TP, PP) rank: all its chunks, without padding."""
-    return sum(sum(chunk_param_numels(shape, layout.tp, c, layout.pp)) for c in stage_chunks(shape, layout, pp_rank))
+    return sum(sum(chunk_param_numels(shape, layout.tp, c)) for c in stage_chunks(shape, layout, pp_rank))
 
 
 # ---- activations ---------------------------------------------------------------------------------------

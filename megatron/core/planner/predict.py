@@ -77,7 +77,7 @@ class Prediction:
 def _buffer_elements(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
     total = 0
     for c in stage_chunks(shape, layout, pp_rank):
-        numels = chunk_param_numels(shape, layout.tp, c, layout.pp)
+        numels = chunk_param_numels(shape, layout.tp, c)
         total += sum(p for _, p in buckets_of(list(reversed(numels)), layout.ddp_bucket_size, layout.dp,
                                               layout.distributed_optimizer))
     return total
@@ -86,7 +86,7 @@ def _buffer_elements(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
 def _stepped_elements(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
     total = 0
     for c in stage_chunks(shape, layout, pp_rank):
-        numels = chunk_param_numels(shape, layout.tp, c, layout.pp)
+        numels = chunk_param_numels(shape, layout.tp, c)
         if layout.distributed_optimizer:
             bks = buckets_of(list(reversed(numels)), layout.ddp_bucket_size, layout.dp, True)
             total += owned_elements(bks, layout.dp, 0)

@@ -207,7 +207,7 @@ def stage_chunks(shape: ModelShape, layout: Layout, pp_rank: int) -> List[Chunk]
     return out
 
 
-def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk, pp: int) -> List[int]:
+def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk) -> List[int]:
     """Element counts of the trainable parameters of one chunk on one TP rank, in registration order."""
     h, f, t = shape.hidden_size, shape.ffn, tp
     v = shape.padded_vocab(tp)

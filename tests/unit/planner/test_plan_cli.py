@@ -114,3 +114,17 @@ def test_calibrate_on_cpu_writes_a_usable_file(tmp_path, capsys, monkeypatch):
     shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
     pred = predict(shape, Layout(), Cluster(num_gpus=1, gpu_memory_gb=1), cal, 4)
     assert pred.ms_per_iter > 0
+
+
+def test_dry_run_reads_a_trainer_command_line():
+    from megatron.core.planner import dry_run
+
+    argv = ("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings "
+            "1024 --micro-batch-size 4 --global-batch-size 32 --bf16 --data-path /nonexistent/prefix --lr 1e-4 "
+            "--train-iters 10 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer").split()
+    text, fits = dry_run(argv, num_gpus=4)
+    assert fits and "TP2 PP1 DP2 SP distopt" in text and "parameters per (tensor, pipeline) rank" in text
+    text, fits = dry_run(argv, num_gpus=4, gpu_memory_gb=1)
+    assert not fits and "DOES NOT FIT" in text
+    with pytest.raises(ValueError, match="--num-gpus 3"):
+        dry_run(argv, num_gpus=3)
