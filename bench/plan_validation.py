@@ -64,6 +64,10 @@ CONFIGS = [
      f"{BERT_LARGE} --micro-batch-size 8 --global-batch-size 32 --recompute-granularity selective"),
 ]
 
+# a tiny configuration that checks the --run machinery anywhere, CPU included (--smoke)
+SMOKE = [("gpt_tiny_smoke", "pretrain_gpt.py", 1, "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+          "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4")]
+
 # measurements recorded earlier (file, config, GPUs, flags, ms/iter, peak GiB)
 RECORDS = [
     ("gpu_throughput_recompute_none.md", "gpt1.3b_mb8_none", 1, f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8",
@@ -153,13 +157,13 @@ def _peaks(text: str) -> dict:
     return {"allocated": alloc / 2 ** 30, "reserved": reserved / 2 ** 30, "outside": outside / 2 ** 30}
 
 
-def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert_vocab: str) -> list:
+def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert_vocab: str, configs=None) -> list:
     from bench.gpu_throughput import parse_ours_log, prepare_dataset  # the benchmark's data and log parsing
 
     workdir = tempfile.mkdtemp(prefix="plan_validation_")
     data = prepare_dataset(workdir)
     rows = []
-    for name, entry, gpus, flags in CONFIGS:
+    for name, entry, gpus, flags in configs or CONFIGS:
         if only and name not in only:
             continue
         full = f"{flags} {COMMON}"
@@ -211,9 +215,10 @@ def markdown(rows: list, title: str, calibration: dict, command: str) -> str:
     out += ["| config | predicted peak GiB | measured peak GiB | error | predicted ms/iter | measured ms/iter | "
            "error | source |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['config']} | {r['predicted_peak_mem_gib']} | {r['measured_peak_mem_gib']} | "
-                   f"{100 * r.get('mem_error', 0):+.1f}% | {r['predicted_ms_per_iter']} | {r['measured_ms_per_iter']} | "
-                   f"{100 * r.get('time_error', 0):+.1f}% | {r['source']} |")
+        pct = lambda key: f"{100 * r[key]:+.1f}%" if key in r else "n/a"  # noqa: E731
+        out.append(f"| {r['config']} | {r['predicted_peak_mem_gib']} | {r['measured_peak_mem_gib'] or 'n/a'} | "
+                   f"{pct('mem_error')} | {r['predicted_ms_per_iter']} | {r['measured_ms_per_iter']} | "
+                   f"{pct('time_error')} | {r['source']} |")
     ratios = sorted(r["measured_reserved_gib"] / r["measured_peak_mem_gib"] for r in rows
                     if r.get("measured_reserved_gib") and r.get("measured_peak_mem_gib"))
     outside = sorted(r["outside_allocator_gib"] for r in rows if r.get("outside_allocator_gib") is not None)
@@ -235,6 +240,8 @@ def main() -> None:
     mode.add_argument("--run", action="store_true", help="run every configuration on this machine's GPU(s)")
     mode.add_argument("--from-records", action="store_true", help="compare with the runs recorded in bench/results")
     ap.add_argument("--calibration", default="h200", help="GPU kind or calibration JSON")
+    ap.add_argument("--smoke", action="store_true",
+                    help="with --run: one tiny configuration instead of the validation set (checks the machinery)")
     ap.add_argument("--only", default="", help="comma-separated configuration names (--run)")
     ap.add_argument("--bert-vocab-file", default=os.environ.get("BERT_VOCAB_FILE", ""),
                     help="WordPiece vocabulary for the BERT rows (e.g. the shared data's bert vocab)")
@@ -249,8 +256,8 @@ def main() -> None:
         log_dir = out + "_logs"
         os.makedirs(log_dir, exist_ok=True)
         rows = run_all(cal, set(filter(None, args.only.split(","))), args.iters, args.warmup, log_dir,
-                       args.bert_vocab_file)
-        title = f"Planner against measurement ({datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC)"
+                       args.bert_vocab_file, SMOKE if args.smoke else None)
+        title = f"Planner against measurement ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"
     else:
         out = args.out or os.path.join(ROOT, "bench", "results", "plan_validation_records")
         rows = from_records(cal)
