@@ -43,9 +43,11 @@ def _ints(text: str, flag: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if "--calibrate" in sys.argv:  # the model flags are not needed to calibrate
-        p.add_argument("--calibrate", action="store_true")
+        p.add_argument("--calibrate", action="store_true",
+                       help="measure GEMM, attention, element-wise and collective rates on this machine")
         p.add_argument("--calibration-out", required=True, help="where to write the measured calibration JSON")
-        p.add_argument("--calibrate-device", default="cuda", choices=["cuda", "cpu"])
+        p.add_argument("--calibrate-device", default="cuda", choices=["cuda", "cpu"],
+                       help="cuda (the GPU to calibrate) or cpu (small sizes, to try the routine out)")
         p.add_argument("--gpu-kind", default=None, help="name stored in the file (default: the device's name)")
         p.add_argument("--calibration", default="h200",
                        help="base calibration for what cannot be measured in two minutes")

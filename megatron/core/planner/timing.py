@@ -114,9 +114,11 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     attn_fwd = attn_fwd_flops / attn_rate
     if layout.attention_backend == "unfused":
         attn_fwd *= 2.0
-    # element-wise bytes of one layer: LayerNorms and bias-dropout-adds on [s(/t), b, h], GeLU on [s, b, f/t]
-    ew_layer_fwd = (16 * act / 2 * tokens * h / sp_div + 4 * act / 2 * tokens * f / t)
-    ew_layer_bwd = (32 * act / 2 * tokens * h / sp_div + 6 * act / 2 * tokens * f / t)
+    # element-wise bytes of one layer, in 16-bit elements x act / 2: forward, two LayerNorms (read x, write y: 4)
+    # and two bias-dropout-adds (read two, write one, mask: 4) on [s(/t), b, h]; the GeLU on [s, b, f/t] (read,
+    # write: 2); backward about twice the LayerNorm and bias-dropout-add traffic, the GeLU reads two and writes one
+    ew_layer_fwd = (2 * (4 + 4) * act / 2 * tokens * h / sp_div + 2 * act * tokens * f / t)
+    ew_layer_bwd = (2 * 2 * (4 + 4) * act / 2 * tokens * h / sp_div + 3 * act * tokens * f / t)
     ew = L * (ew_layer_fwd + ew_layer_bwd) / ew_rate
     gemm = 3 * L * layer_gemm_fwd
     attention = 3.5 * L * attn_fwd
@@ -147,7 +149,7 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
         gemm += 3 * gemm_seconds(cal, tokens, v // t, h, "bf16" if prec == "fp8" else prec)
         fused = layout.cross_entropy_fusion and t == 1
         ew += (4 if fused else 28) * tokens * v / t / ew_rate
-        ew += 3 * 16 * act / 2 * tokens * h / sp_div / ew_rate / 4  # final LayerNorm
+        ew += (4 + 8) * act / 2 * tokens * h / sp_div / ew_rate  # final LayerNorm forward and backward
         if t > 1:
             tp_comm += 2 * ring_seconds(cal, msg, t, tp_spans, "ag" if layout.sp else "ar")
     return ChunkTime(gemm, attention, ew, rec, tp_comm, overhead)
