@@ -31,6 +31,8 @@ LAYOUTS = [
     (2, 1, None, None, None, True, "bf16", 700, False, "adam"),  # TP2 DP2, buckets
     (1, 2, None, 5, None, True, "bf16", None, True, "adam"),  # PP2 DP2 uneven, untied
     (1, 2, None, None, None, True, "bf16", 500, False, "adam"),  # PP2 DP2, buckets
+    (1, 2, None, None, 3, False, "bf16", 600, False, "adam"),  # PP2 DP2 uneven, no distributed optimizer
+    (2, 1, None, None, None, False, "fp32", None, True, "sgd"),  # TP2 DP2, no distributed optimizer
 ]
 
 
