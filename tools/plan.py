@@ -27,7 +27,7 @@ from megatron.core.planner.flags import (  # noqa: E402
 from megatron.core.planner.predict import (  # noqa: E402
     SearchSpace, format_prediction, format_table, predict, search,
 )
-from megatron.core.planner.timing import load_calibration  # noqa: E402
+from megatron.core.planner.timing import dump_calibration, load_calibration  # noqa: E402
 
 
 def _ints(text: str, flag: str):
@@ -104,8 +104,7 @@ def _calibrate(args) -> int:
     base = load_calibration(args.calibration)
     cal = calibrate(base, device=args.calibrate_device, gpu_kind=args.gpu_kind,
                     log=lambda m: print(m, file=sys.stderr, flush=True))
-    with open(args.calibration_out, "w") as f:
-        json.dump(cal, f, indent=1)
+    dump_calibration(cal, args.calibration_out)
     print(f"wrote {args.calibration_out}")
     return 0
 

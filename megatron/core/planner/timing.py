@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -43,6 +44,14 @@ def load_calibration(kind_or_path: str) -> dict:
         raise ValueError(f"calibration file {path}: missing {', '.join(missing)}")
     data["_path"] = path
     return data
+
+
+def dump_calibration(cal: dict, path: str) -> None:
+    """Write a calibration as JSON, each innermost list on one line."""
+    text = json.dumps({k: v for k, v in cal.items() if not k.startswith("_")}, indent=1)
+    text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    with open(path, "w") as f:
+        f.write(text + "\n")
 
 
 def _interp(points: List[List[float]], x: float) -> float:
