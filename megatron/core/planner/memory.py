@@ -15,6 +15,7 @@ Activations follow Korthikanti et al. 2022 with the terms this framework keeps (
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -173,9 +174,6 @@ def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkA
 
 def in_flight_peak(layout: Layout, pp_rank: int, num_microbatches: int, sizes: List[float]) -> float:
     """Largest sum of ``sizes[chunk]`` over the microbatches whose forward ran and backward did not (schedule)."""
-    from megatron.core.pipeline_parallel.actions import ActionKind
-    from megatron.core.pipeline_parallel.schedules import compute_order
-
     if layout.pp == 1:
         return max(sizes)  # forward then backward of one microbatch at a time
     m = num_microbatches
@@ -183,13 +181,22 @@ def in_flight_peak(layout: Layout, pp_rank: int, num_microbatches: int, sizes: L
     if m > cap:
         m = cap - cap % layout.pp if layout.vpp else cap
     live = peak = 0.0
-    for action in compute_order(layout.pp, pp_rank, m, layout.chunks):
-        if action.kind == ActionKind.FORWARD:
-            live += sizes[action.chunk]
+    for forward, chunk in _order(layout.pp, pp_rank, m, layout.chunks):
+        if forward:
+            live += sizes[chunk]
             peak = max(peak, live)
         else:
-            live -= sizes[action.chunk]
+            live -= sizes[chunk]
     return peak
+
+
+@functools.lru_cache(maxsize=1024)
+def _order(pp: int, pp_rank: int, m: int, chunks: int) -> Tuple[Tuple[bool, int], ...]:
+    """``(is_forward, chunk)`` of the compute actions of one rank, from the trainer's own schedule."""
+    from megatron.core.pipeline_parallel.actions import ActionKind
+    from megatron.core.pipeline_parallel.schedules import compute_order
+
+    return tuple((a.kind == ActionKind.FORWARD, a.chunk) for a in compute_order(pp, pp_rank, m, chunks))
 
 
 @dataclass

@@ -9,7 +9,8 @@ follows from that order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
@@ -194,17 +195,24 @@ class Chunk:
     post: bool
 
 
-def stage_chunks(shape: ModelShape, layout: Layout, pp_rank: int) -> List[Chunk]:
+def stage_chunks(shape: ModelShape, layout: Layout, pp_rank: int) -> Tuple[Chunk, ...]:
     """The chunks pipeline rank ``pp_rank`` builds (``megatron/core/pipeline_parallel/partition.py`` split)."""
+    return _stage_chunks(shape.num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers,
+                         pp_rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_chunks(num_layers: int, pp: int, vpp: Optional[int], first: Optional[int], last: Optional[int],
+                  pp_rank: int) -> Tuple[Chunk, ...]:
     from megatron.core.pipeline_parallel.partition import layers_for_stage
 
+    chunks = vpp or 1
     out = []
-    for v in range(layout.chunks):
-        _, count = layers_for_stage(shape.num_layers, layout.pp, pp_rank, vpp_size=layout.vpp, vpp_rank=v,
-                                    first_stage_layers=layout.first_stage_layers,
-                                    last_stage_layers=layout.last_stage_layers)
-        out.append(Chunk(count, pre=pp_rank == 0 and v == 0, post=pp_rank == layout.pp - 1 and v == layout.chunks - 1))
-    return out
+    for v in range(chunks):
+        _, count = layers_for_stage(num_layers, pp, pp_rank, vpp_size=vpp, vpp_rank=v, first_stage_layers=first,
+                                    last_stage_layers=last)
+        out.append(Chunk(count, pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == chunks - 1))
+    return tuple(out)
 
 
 def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk) -> List[int]:
