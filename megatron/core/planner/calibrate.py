@@ -3,7 +3,8 @@
 Measured (about a minute on one GPU): GEMM rates at the sizes of the transformer linears (bf16, and FP8 through
 ``torch._scaled_mm`` where the GPU has FP8 tensor cores), causal attention forward + backward at head dims 64 and
 128 (``scaled_dot_product_attention``), element-wise bandwidth (a fused multiply-add pass over a large tensor),
-copy bandwidth (the optimizer pass), and, with two or more GPUs visible, the NCCL all-reduce bus bandwidth.
+copy bandwidth (the optimizer pass), the device memory used outside the PyTorch allocator (CUDA context, library
+workspaces), and, with two or more GPUs visible, the NCCL all-reduce bus bandwidth.
 What cannot be measured in that time (inter-node bandwidth, the fixed overheads and the allocator's
 fragmentation, which come from whole training runs) is carried over from a base calibration and listed under
 ``carried_over``. ``device="cpu"`` runs the same code on the CPU (small sizes) to try the routine out.
@@ -174,7 +175,14 @@ def calibrate(base: dict, device: str = "cuda", gpu_kind: Optional[str] = None, 
                                                 {64: 12 if big else 2, 128: 16 if big else 2})
     log("element-wise bandwidth")
     cal.update(measure_elementwise(dev, (256 if big else 4) * 2 ** 20))
-    carried = ["inter_node_busbw_gbps", "overheads", "memory", "peak_tflops"]
+    carried = ["inter_node_busbw_gbps", "overheads", "memory.reserved_over_allocated", "memory.nccl_buffer_bytes",
+               "peak_tflops"]
+    if big:  # CUDA context and library workspaces: device memory in use that the PyTorch allocator does not hold
+        free, total = torch.cuda.mem_get_info(dev)
+        cal["memory"]["outside_allocator_bytes"] = float(total - free - torch.cuda.memory_reserved(dev))
+        cal["gpu_memory_gb"] = total / 1e9
+    else:
+        carried.append("memory.outside_allocator_bytes")
     n_gpu = torch.cuda.device_count() if big else 0
     busbw = measure_allreduce(min(n_gpu, 8)) if n_gpu >= 2 else None
     if busbw is not None:
