@@ -143,11 +143,13 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     elif g == "full":
         n = L if layout.recompute_method == "uniform" else min(L, layout.recompute_num_layers or 1)
         rec += n * (layer_gemm_fwd + attn_fwd + ew_layer_fwd / ew_rate)
-    # tensor-parallel collectives: 4 per layer forward, 4 backward (all-reduce = 2x the volume of AG/RS)
+    # tensor-parallel collectives per layer: with SP 2 all-gathers + 2 reduce-scatters forward and the same
+    # backward; without SP 2 all-reduces forward (g) and 2 backward (f), each twice the volume of an AG/RS
     tp_spans = t > cluster.gpus_per_node
     msg = act * tokens * h
     per = ring_seconds(cal, msg, t, tp_spans, "ag" if layout.sp else "ar")
-    n_coll = 8 + (4 if g == "full" else 0)
+    n_fwd = 4 if layout.sp else 2
+    n_coll = 2 * n_fwd + (n_fwd if g == "full" else 0)  # full recomputation repeats the forward ones
     tp_comm = L * n_coll * per if t > 1 else 0.0
     over = cal["overheads"]
     overhead = L * over.get("per_layer_ms", 0.0) * 1e-3
@@ -159,8 +161,8 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
         fused = layout.cross_entropy_fusion and t == 1
         ew += (4 if fused else 28) * tokens * v / t / ew_rate
         ew += (4 + 8) * act / 2 * tokens * h / sp_div / ew_rate  # final LayerNorm forward and backward
-        if t > 1:
-            tp_comm += 2 * ring_seconds(cal, msg, t, tp_spans, "ag" if layout.sp else "ar")
+        if t > 1:  # the output layer's input: gathered (SP) or all-reduced in backward
+            tp_comm += (2 if layout.sp else 1) * ring_seconds(cal, msg, t, tp_spans, "ag" if layout.sp else "ar")
     return ChunkTime(gemm, attention, ew, rec, tp_comm, overhead)
 
 
