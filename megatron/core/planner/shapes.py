@@ -237,9 +237,10 @@ def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk) -> List[int]:
         out.extend([h, h])  # final LayerNorm
         if shape.model == "bert":
             out.extend([h * h, h, h, h, v // t])  # LM-head dense, its LayerNorm, output bias (vocab-parallel)
-            out.extend([h * h, h, 2 * h, 2])  # pooler dense, binary head
         if not (chunk.pre and shape.tied):
             out.append(v // t * h)  # output layer (its own copy of the tied embedding on a later stage)
+        if shape.model == "bert":
+            out.extend([h * h, h, 2 * h, 2])  # pooler dense, binary head
     return out
 
 
