@@ -157,6 +157,23 @@ def _peaks(text: str) -> dict:
     return {"allocated": alloc / 2 ** 30, "reserved": reserved / 2 ** 30, "outside": outside / 2 ** 30}
 
 
+def prepare_bert_dataset(workdir: str, vocab: str) -> str:
+    """The bundled corpus split into sentences and WordPiece-tokenised (what pretrain_bert.py reads)."""
+    import gzip
+    import shutil
+
+    prefix = os.path.join(workdir, "bert_text_sentence")
+    if os.path.exists(prefix + ".bin"):
+        return prefix
+    jsonl = os.path.join(workdir, "bert_corpus.jsonl")
+    with gzip.open(os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz"), "rb") as fin, open(jsonl, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl,
+                    "--output-prefix", os.path.join(workdir, "bert"), "--tokenizer-type", "BertWordPieceLowerCase",
+                    "--vocab-file", vocab, "--split-sentences", "--workers", "4"], check=True, cwd=ROOT)
+    return prefix
+
+
 def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert_vocab: str, configs=None) -> list:
     from bench.gpu_throughput import parse_ours_log, prepare_dataset  # the benchmark's data and log parsing
 
@@ -178,7 +195,8 @@ def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert
         else:
             tok = (f"--vocab-file {os.path.join(ROOT, 'data', 'gpt2-vocab.json')} --merge-file "
                    f"{os.path.join(ROOT, 'data', 'gpt2-merges.txt')} --tokenizer-type GPT2BPETokenizer")
-        run = (f"{full} --train-iters {iters + warmup} --data-path {data} {tok} --lr 1e-4 --split 100,0,0 "
+        prefix = prepare_bert_dataset(workdir, bert_vocab) if entry == "pretrain_bert.py" else data
+        run = (f"{full} --train-iters {iters + warmup} --data-path {prefix} {tok} --lr 1e-4 --split 100,0,0 "
                "--eval-iters 0 --log-interval 1 --seed 1234")
         launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                        f"--nproc_per_node={gpus}"]
@@ -243,7 +261,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="with --run: one tiny configuration instead of the validation set (checks the machinery)")
     ap.add_argument("--only", default="", help="comma-separated configuration names (--run)")
-    ap.add_argument("--bert-vocab-file", default=os.environ.get("BERT_VOCAB_FILE", ""),
+    shared_vocab = os.path.join(os.path.dirname(ROOT), "shared", "data", "bert", "vocab.txt")
+    ap.add_argument("--bert-vocab-file",
+                    default=os.environ.get("BERT_VOCAB_FILE", shared_vocab if os.path.exists(shared_vocab) else ""),
                     help="WordPiece vocabulary for the BERT rows (e.g. the shared data's bert vocab)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)

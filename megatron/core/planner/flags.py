@@ -40,6 +40,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1,
                    help="attention dropout (flash attention keeps no mask; matters for --attention-backend unfused)")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="hidden dropout (> 0 keeps two masks per layer)")
+    g.add_argument("--bert-no-binary-head", action="store_true",
+                   help="BERT without the pooler, binary head and token-type embeddings")
     g.add_argument("--global-batch-size", type=int, required=True, help="sequences per iteration")
 
 
@@ -98,7 +100,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       vocab_size=vocab, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                       untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                       position_embedding_type=args.position_embedding_type,
-                      attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout)
+                      attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+                      bert_binary_head=not args.bert_no_binary_head,
+                      num_tokentypes=0 if args.bert_no_binary_head else 2)
 
 
 def precision_of(args: argparse.Namespace) -> str:

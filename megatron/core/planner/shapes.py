@@ -21,7 +21,8 @@ RECOMPUTE = (None, "selective", "full")
 class ModelShape:
     """The flags that change memory or time.
 
-    model: ``gpt`` or ``bert`` (BERT adds token-type embeddings, the LM-head transform, pooler and binary head).
+    model: ``gpt`` or ``bert`` (BERT adds token-type embeddings, the LM-head transform with its output bias, and
+    with ``bert_binary_head`` the pooler and binary head; ``--bert-no-binary-head`` also drops the token types).
     num_layers, hidden_size, ffn_hidden_size (default 4h), num_attention_heads, seq_length,
     max_position_embeddings (default seq_length), vocab_size (the tokenizer's, padded to a multiple of
     make_vocab_size_divisible_by x TP), untie_embeddings_and_output_weights, position_embedding_type
@@ -42,6 +43,7 @@ class ModelShape:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     num_tokentypes: int = 2  # BERT only
+    bert_binary_head: bool = True  # BERT only: the pooler and the 2-way sentence-order head
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -224,7 +226,7 @@ def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk) -> List[int]:
         out.append(v // t * h)  # word embeddings (vocab-parallel)
         if shape.position_embedding_type == "learned_absolute":
             out.append(shape.max_pos * h)
-        if shape.model == "bert":
+        if shape.model == "bert" and shape.num_tokentypes:
             out.append(shape.num_tokentypes * h)
     layer = [h, h,  # input LayerNorm
              3 * h // t * h, 3 * h // t,  # linear_qkv (column-parallel)
@@ -239,7 +241,7 @@ def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk) -> List[int]:
             out.extend([h * h, h, h, h, v // t])  # LM-head dense, its LayerNorm, output bias (vocab-parallel)
         if not (chunk.pre and shape.tied):
             out.append(v // t * h)  # output layer (its own copy of the tied embedding on a later stage)
-        if shape.model == "bert":
+        if shape.model == "bert" and shape.bert_binary_head:
             out.extend([h * h, h, 2 * h, 2])  # pooler dense, binary head
     return out
 

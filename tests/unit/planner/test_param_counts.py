@@ -39,3 +39,14 @@ def test_published_sizes():
     bert_large = ModelShape(model="bert", num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512,
                             vocab_size=30522)
     assert round(param_count(bert_large, Layout(), 0) / 1e6) == 336  # Megatron-LM's BERT-large
+
+
+def test_bert_without_binary_head_matches_masked_lm():
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                                  vocab_size=301, max_position_embeddings=32, type_vocab_size=1)
+    model = transformers.BertForMaskedLM(cfg)
+    ref = _count(model) - _count(model.bert.embeddings.token_type_embeddings)  # Megatron drops the token types
+    shape = ModelShape(model="bert", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                       seq_length=32, vocab_size=301, make_vocab_size_divisible_by=1, bert_binary_head=False,
+                       num_tokentypes=0)
+    assert param_count(shape, Layout(), 0) == ref
