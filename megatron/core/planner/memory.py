@@ -164,6 +164,8 @@ def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkA
     if chunk.post:
         v = shape.padded_vocab(t)
         kept += act * s * b * h / sp_div + act * s * b * h  # final LayerNorm input; output gathered for the GEMM
+        if shape.model == "bert":  # LM-head transform: dense output, GeLU output, LayerNorm output (full s)
+            kept += 3 * act * s * b * h
         logits = act * s * b * v / t
         fused = layout.cross_entropy_fusion and t == 1
         # the eager vocab-parallel loss keeps one fp32 copy of the local logits (softmax, then its gradient in
