@@ -1,0 +1,168 @@
+"""Reading and writing Megatron-LM legacy checkpoints, against a fixture written by Megatron-Core's own code
+(tests/unit/checkpoint/fixtures/make_megatron_fixture.py says how it was made)."""
+
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.checkpoint_formats import (CheckpointFormatError, dims_from_args, load_megatron_file,
+                                              merge_tp_pp, read_megatron_checkpoint, write_megatron_checkpoint)
+from megatron.core.checkpoint_formats.optimizer_state import grouped_order
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.parallel_state import ParallelState
+from megatron.training.scheduler import OptimizerParamScheduler
+from tests.unit.checkpoint.helpers import FIXTURE, build_stage
+
+RAW = os.path.join(FIXTURE, "iter_0000003", "mp_rank_00", "model_optim_rng.pt")
+
+
+def _golden():
+    return torch.load(os.path.join(FIXTURE, "golden.pt"), weights_only=True)
+
+
+def test_safe_reader_needs_only_the_allowlist():
+    needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(RAW))
+    assert needed == {"argparse.Namespace", "numpy.ndarray", "numpy.dtype", "numpy._core.multiarray._reconstruct",
+                      "megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend"}
+    with pytest.raises(Exception, match="Unsupported global"):
+        torch.load(RAW, weights_only=True)  # what a plain weights-only load says
+    state = load_megatron_file(RAW)
+    assert str(state["args"].model_type) == "ModelType.encoder_or_decoder"
+    assert str(state["args"].attention_backend) == "AttnBackend.auto"
+    assert state["args"].params_dtype is torch.bfloat16
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/_ckpt_exploit_ran",))
+
+
+def test_refuses_a_file_needing_another_global(tmp_path):
+    path = str(tmp_path / "model_optim_rng.pt")
+    torch.save({"args": {"a": 1}, "payload": _Exploit()}, path, pickle_module=pickle)
+    if os.path.exists("/tmp/_ckpt_exploit_ran"):
+        os.remove("/tmp/_ckpt_exploit_ran")
+    with pytest.raises(CheckpointFormatError) as err:
+        load_megatron_file(path)
+    assert "posix.system" in str(err.value) or "os.system" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert not os.path.exists("/tmp/_ckpt_exploit_ran")
+
+
+def test_megatron_model_gives_megatron_core_logits():
+    ckpt = read_megatron_checkpoint(FIXTURE)
+    assert ckpt.iteration == 3 and ckpt.consumed_samples == 6
+    dims = dims_from_args(ckpt.args_dict)
+    full = {k: v.float() for k, v in merge_tp_pp(ckpt.model_state_per_rank).items()}
+    model = build_stage(dims, ParallelState.single(), full)  # strict load: same names and shapes
+    golden = _golden()
+    tokens = golden["tokens"]
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        logits = model(tokens, pos)
+    torch.testing.assert_close(logits, golden["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_optimizer_maps_into_our_parameter_order_and_loads():
+    raw = load_megatron_file(RAW)
+    golden_order = _golden()["param_order"]  # Megatron-Core's own groups, by parameter name
+    mg_main = {n: t for names, ts in zip(golden_order, raw["optimizer"]["fp32_from_fp16_params"])
+               for n, t in zip(names, ts)}
+    mg_state, pid = {}, 0
+    for names in golden_order:
+        for n in names:
+            mg_state[n] = raw["optimizer"]["optimizer"]["state"][pid]
+            pid += 1
+    ckpt = read_megatron_checkpoint(FIXTURE)
+    dims = dims_from_args(ckpt.args_dict)
+    model = build_stage(dims, ParallelState.single(), ckpt.model_state_per_rank[(0, 0)][0], dtype=torch.bfloat16)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, weight_decay=0.01), [model],
+                                 ParallelState.single())
+    opt.load_state_dict(ckpt.optimizer[(0, 0)])
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, (param, main) in enumerate(zip(opt.model_params, opt.main_params)):
+        name = names[id(param)]
+        torch.testing.assert_close(main.detach(), mg_main[name], atol=0, rtol=0)
+        st = opt.optimizer.state[main]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(st[key], mg_state[name][key], atol=0, rtol=0)
+        assert float(st["step"]) == 3.0
+        # the bf16 model weight is the rounded fp32 main weight Megatron saved next to it
+        torch.testing.assert_close(param.detach(), mg_main[name].to(torch.bfloat16), atol=0, rtol=0)
+    assert len(opt.main_params) == sum(len(n) for n in golden_order)
+
+
+def test_scheduler_position_and_rng_carry_over():
+    raw = load_megatron_file(RAW)
+    ckpt = read_megatron_checkpoint(FIXTURE)
+    assert ckpt.scheduler["num_steps"] == 3  # 6 samples at global batch 2
+    sched = OptimizerParamScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0), max_lr=1e-3,
+                                    min_lr=1e-4, warmup_steps=ckpt.scheduler["warmup_steps"],
+                                    decay_steps=ckpt.scheduler["decay_steps"],
+                                    decay_style=ckpt.scheduler["decay_style"], weight_decay=0.01)
+    sched.load_state_dict(ckpt.scheduler)
+    megatron_lr = raw["optimizer"]["optimizer"]["param_groups"][0]["lr"]  # set by Megatron-Core's scheduler
+    assert sched.get_lr() == pytest.approx(megatron_lr, rel=1e-9)
+
+    r = raw["rng_state"][0]
+    random.setstate(r["random_rng_state"])
+    np.random.set_state(r["np_rng_state"])
+    torch.set_rng_state(r["torch_rng_state"])
+    want = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    tensor_parallel.set_all_rng_states(ckpt.rng[(0, 0)])
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == want[0] and got[1] == want[1]
+    torch.testing.assert_close(got[2], want[2], atol=0, rtol=0)
+
+
+def test_write_megatron_matches_megatron_layout_and_reads_back(tmp_path):
+    ckpt = read_megatron_checkpoint(FIXTURE)
+    dims = dims_from_args(ckpt.args_dict)
+    named = ckpt.extra["optimizer_by_name"]
+    out = str(tmp_path / "mg")
+    write_megatron_checkpoint(out, ckpt.model_state_per_rank, dims, ckpt.args_dict, iteration=ckpt.iteration,
+                              consumed_samples=ckpt.consumed_samples, optimizer_by_name=named,
+                              scheduler=ckpt.scheduler, rng=ckpt.rng)
+    raw = load_megatron_file(RAW)
+    new = load_megatron_file(os.path.join(out, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    assert list(new["model"]) == list(raw["model"])  # Megatron-Core's order and _extra_state entries
+    for k, v in raw["model"].items():
+        if v is None:
+            assert new["model"][k] is None
+        else:
+            torch.testing.assert_close(new["model"][k], v, atol=0, rtol=0)
+    assert new["opt_param_scheduler"] == raw["opt_param_scheduler"]
+    for a, b in zip(new["optimizer"]["fp32_from_fp16_params"], raw["optimizer"]["fp32_from_fp16_params"]):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=0, rtol=0)
+    for pid, st in raw["optimizer"]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(new["optimizer"]["optimizer"]["state"][pid][key], st[key], atol=0, rtol=0)
+    assert new["args"].consumed_train_samples == 6 and new["iteration"] == 3
+    # every saved argument is kept except Megatron's enum values, which would need Megatron's classes to pickle
+    assert set(vars(raw["args"])) - set(vars(new["args"])) == {"model_type", "attention_backend"}
+    r_new, r_raw = new["rng_state"][0], raw["rng_state"][0]
+    assert r_new["random_rng_state"] == r_raw["random_rng_state"]
+    assert np.array_equal(r_new["np_rng_state"][1], r_raw["np_rng_state"][1])
+    again = read_megatron_checkpoint(out)
+    assert again.scheduler == ckpt.scheduler and again.consumed_samples == 6
+    assert grouped_order(again.model_state_per_rank[(0, 0)]) == grouped_order(ckpt.model_state_per_rank[(0, 0)])
+
+
+def test_refuses_missing_tracker_and_torch_dist(tmp_path):
+    with pytest.raises(CheckpointFormatError, match="latest_checkpointed_iteration.txt"):
+        read_megatron_checkpoint(str(tmp_path))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    it = tmp_path / "iter_0000005"
+    it.mkdir()
+    (it / "__0_0.distcp").write_bytes(b"")
+    (it / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointFormatError, match="torch_dist"):
+        read_megatron_checkpoint(str(tmp_path))
