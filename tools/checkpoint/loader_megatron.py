@@ -1,0 +1,14 @@
+"""``--loader megatron``: a Megatron-LM legacy torch checkpoint folder (any TP/PP), read through the allowlist."""
+
+from megatron.core.checkpoint_formats import dims_from_args, read_megatron_checkpoint
+from payload import Payload, payload_from_loaded, tokenizer_facts
+
+
+def load(opts, family) -> Payload:
+    loaded = read_megatron_checkpoint(opts.load_dir, family, load_optim=opts.reshard_optimizer,
+                                      load_rng=opts.reshard_optimizer)
+    vocab, eod, vocab_file, merge_file = tokenizer_facts(loaded.args_dict, opts.vocab_file, opts.merge_file)
+    dims = dims_from_args(loaded.args_dict, vocab_size=opts.true_vocab_size or vocab)
+    payload = payload_from_loaded(loaded, family, dims, "megatron", opts)
+    payload.vocab_file, payload.merge_file, payload.eod = vocab_file, merge_file, eod
+    return payload
