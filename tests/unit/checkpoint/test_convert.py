@@ -66,6 +66,30 @@ def test_megatron_to_ours_tp2_pp2_and_back_keeps_model_and_optimizer(tmp_path, c
     assert new["args"].consumed_train_samples == 6
 
 
+def test_megatron_reshard_tp2_pp2_and_back_is_exact(tmp_path, capsys):
+    mid, back = str(tmp_path / "mid"), str(tmp_path / "back")
+    base = ["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--reshard-optimizer"]
+    rc, out, _ = _run(capsys, *base, "--load-dir", FIXTURE, "--save-dir", mid, "--target-tensor-parallel-size", "2",
+                      "--target-pipeline-parallel-size", "2")
+    assert rc == 0 and sorted(os.listdir(os.path.join(mid, "iter_0000003"))) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    last = load_megatron_file(os.path.join(mid, "iter_0000003", "mp_rank_01_001", "model_optim_rng.pt"))
+    assert "output_layer._extra_state" in last["model"] and "decoder.layers.0.mlp.linear_fc2.weight" in last["model"]
+    assert last["args"].tensor_model_parallel_size == 2 and last["args"].padded_vocab_size == 128
+    assert [len(g) for g in last["optimizer"]["fp32_from_fp16_params"]] == [5, 10]
+    rc, _, _ = _run(capsys, *base, "--load-dir", mid, "--save-dir", back, "--target-tensor-parallel-size", "1",
+                    "--target-pipeline-parallel-size", "1")
+    assert rc == 0
+    raw = load_megatron_file(RAW)
+    new = load_megatron_file(os.path.join(back, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    for k, v in raw["model"].items():
+        assert (new["model"][k] is None) if v is None else torch.equal(new["model"][k], v), k
+    for pid, st in raw["optimizer"]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(new["optimizer"]["optimizer"]["state"][pid][key], st[key])
+    assert new["opt_param_scheduler"] == raw["opt_param_scheduler"]
+
+
 def test_megatron_to_hf_gives_megatron_core_logits(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     hf_dir = str(tmp_path / "hf")

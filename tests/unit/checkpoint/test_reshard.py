@@ -131,3 +131,16 @@ def test_optimizer_reshard_continues_training(tmp_path):
     merged = merge_tp_pp(got["shards"])
     for name, t in model.state_dict().items():
         torch.testing.assert_close(merged[name], t, atol=2e-5, rtol=1e-4)
+
+
+def test_virtual_pipeline_chunks_follow_megatrons_assignment():
+    dims = tiny_dims(layers=4)
+    full = random_full(dims)
+    ranks = split_tp_pp(full, dims, 1, 2, vpp=2)  # chunk v of rank r holds global layer v * 2 + r
+    assert [len(ranks[(0, p)]) for p in range(2)] == [2, 2]
+    w = "self_attention.linear_qkv.weight"
+    assert torch.equal(ranks[(0, 1)][0][f"decoder.layers.0.{w}"], full[f"decoder.layers.1.{w}"])
+    assert torch.equal(ranks[(0, 0)][1][f"decoder.layers.0.{w}"], full[f"decoder.layers.2.{w}"])
+    assert "embedding.word_embeddings.weight" in ranks[(0, 0)][0] and "output_layer.weight" in ranks[(0, 1)][1]
+    merged = merge_tp_pp(ranks)
+    assert list(merged) == list(full) and all(torch.equal(merged[k], full[k]) for k in full)
