@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=None, help="default: the source's")
     p.add_argument("--reshard-optimizer", action="store_true",
                    help="carry optimizer and scheduler state (resharded to the target layout) and keep the iteration")
+    p.add_argument("--target-optimizer-layout", choices=("fp32", "mixed", "distributed"), default=None,
+                   help="--saver ours: our optimizer wrapper to write for (mixed: --bf16/--fp16; distributed: "
+                        "--use-distributed-optimizer); default: the source's")
     p.add_argument("--true-vocab-size", type=_positive("--true-vocab-size"), default=None,
                    help="real vocabulary size when the saved arguments name no vocabulary file")
     p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: the saved arguments')")
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if os.path.abspath(opts.load_dir) == os.path.abspath(opts.save_dir):
         p.error("--save-dir must differ from --load-dir")
+    if opts.target_optimizer_layout and not (opts.reshard_optimizer and opts.saver == "ours"):
+        p.error("--target-optimizer-layout needs --saver ours and --reshard-optimizer")
     return opts
 
 

@@ -9,4 +9,5 @@ def save(opts, payload) -> list:
     payload.notes.extend(notes)
     return write_our_checkpoint(opts.save_dir, shards, payload.dims, payload.args, iteration=payload.iteration,
                                 consumed_samples=payload.consumed_samples, optimizer_by_name=optimizer,
-                                scheduler=scheduler, rng=rng, release=release)
+                                scheduler=scheduler, rng=rng, release=release,
+                                optimizer_kind=opts.target_optimizer_layout)

@@ -216,7 +216,8 @@ def write_megatron_checkpoint(root: str, model_state_per_rank, dims: ModelDims, 
         if optimizer_by_name is not None:
             named, meta = optimizer_by_name[(t, p)]
             plain_mg = [to_family_order(c, family, megatron=True) for c in chunks]
-            state["optimizer"] = optim.named_to_megatron(named, meta, plain_mg)
+            state["optimizer"] = optim.named_to_megatron(named, meta, plain_mg,
+                                                         mixed_precision=dims.params_dtype != "float32")
             if scheduler is not None:
                 state["opt_param_scheduler"] = scheduler_to_megatron(scheduler, args)
         if rng is not None and (t, p) in rng:

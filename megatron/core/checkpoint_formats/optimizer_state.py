@@ -110,9 +110,22 @@ def _torch_state(named: Named, groups, meta) -> dict:
     return {"state": state, "param_groups": torch_groups}
 
 
-def named_to_ours(named: Named, meta: dict, chunks: List[Dict[str, torch.Tensor]]) -> dict:
-    """Our trainer's optimizer state dict (the ``meta['kind']`` wrapper) for one rank."""
-    if meta["kind"] == "distributed":
+def with_main_params(named: Named, chunks: List[Dict[str, torch.Tensor]]) -> Named:
+    """Every entry with an fp32 main copy: the saved one, else the model weight itself (an fp32 run keeps none)."""
+    return [{n: (e if "param" in e else dict(e, param=chunks[c][n].detach().float().clone()))
+             for n, e in chunk.items()} for c, chunk in enumerate(named)]
+
+
+def named_to_ours(named: Named, meta: dict, chunks: List[Dict[str, torch.Tensor]], kind: str = None) -> dict:
+    """Our trainer's optimizer state dict for one rank: the ``kind`` wrapper ("fp32", "mixed" or "distributed";
+    default: the source's ``meta['kind']``). A mixed-precision or distributed target takes its fp32 main params
+    from the source's main copies, or from the model weights ``chunks`` when the source ran in fp32."""
+    kind = kind or meta["kind"]
+    if kind not in ("fp32", "mixed", "distributed"):
+        raise CheckpointFormatError(f"unknown optimizer layout {kind!r} (fp32, mixed or distributed)")
+    if kind in ("mixed", "distributed"):
+        named = with_main_params(named, chunks)
+    if kind == "distributed":
         order = [(c, n) for c, names in enumerate(_param_names(chunks)) for n in names]
         initialized = any(named[c][n] for c, n in order)
         return {"distributed_optimizer": True, "state_initialized": initialized,
@@ -121,7 +134,7 @@ def named_to_ours(named: Named, meta: dict, chunks: List[Dict[str, torch.Tensor]
                 "grad_scaler": meta.get("grad_scaler")}
     groups = grouped_order(chunks)
     out = {"optimizer": _torch_state(named, groups, meta), "grad_scaler": meta.get("grad_scaler")}
-    if meta["kind"] == "mixed":
+    if kind == "mixed":
         out["fp32_from_fp16_params"] = [named[c][n]["param"] for g in groups for c, n in g]
     return out
 
@@ -150,13 +163,16 @@ def megatron_to_named(opt_sd: dict, chunks: List[Dict[str, torch.Tensor]], where
     return _named(chunks, per_key), meta
 
 
-def named_to_megatron(named: Named, meta: dict, megatron_chunks: List[Dict[str, torch.Tensor]]) -> dict:
-    """Megatron-LM's legacy optimizer state for one rank whose Megatron model state dicts are ``megatron_chunks``."""
+def named_to_megatron(named: Named, meta: dict, megatron_chunks: List[Dict[str, torch.Tensor]],
+                      mixed_precision: bool) -> dict:
+    """Megatron-LM's legacy optimizer state for one rank whose Megatron model state dicts are ``megatron_chunks``:
+    the torch optimizer's state dict for an fp32 model, ``{optimizer, fp32_from_fp16_params}`` for bf16/fp16."""
     groups = grouped_order(megatron_chunks, megatron_rule=True)
     hyper = [dict(g) for g in meta["param_groups"]]
     torch_sd = _torch_state(named, groups, dict(meta, param_groups=hyper))
-    if meta["kind"] == "fp32":
+    if not mixed_precision:
         return torch_sd
+    named = with_main_params(named, megatron_chunks)
     out = {"optimizer": torch_sd,
            "fp32_from_fp16_params": [[named[c][n]["param"] for c, n in g] for g in groups]}
     if meta.get("grad_scaler") is not None:

@@ -67,9 +67,11 @@ def our_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int) -> Dict[st
 
 def write_our_checkpoint(root: str, model_state_per_rank, dims: ModelDims, args: Dict[str, Any],
                          iteration: int = 0, consumed_samples: int = 0, optimizer_by_name=None,
-                         scheduler: Optional[dict] = None, rng=None, release: bool = False) -> list:
+                         scheduler: Optional[dict] = None, rng=None, release: bool = False,
+                         optimizer_kind: Optional[str] = None) -> list:
     """Write ``{(tp, pp): [chunks]}`` (with ``{(tp, pp): (named, meta)}`` optimizer state and ``{(tp, pp): rng}``
-    when given) as our checkpoint folder; the tracker file is written last. Returns the files written."""
+    when given) as our checkpoint folder; the tracker file is written last. ``optimizer_kind`` ("fp32", "mixed",
+    "distributed") picks our optimizer wrapper's layout (default: the source's). Returns the files written."""
     tp = 1 + max(t for t, _ in model_state_per_rank)
     pp = 1 + max(p for _, p in model_state_per_rank)
     plain = our_args(args, dims, tp, pp)
@@ -81,7 +83,7 @@ def write_our_checkpoint(root: str, model_state_per_rank, dims: ModelDims, args:
             state[key] = {n: v.contiguous() for n, v in c.items()}
         if optimizer_by_name is not None:
             named, meta = optimizer_by_name[(t, p)]
-            state["optimizer"] = optim.named_to_ours(named, meta, chunks)
+            state["optimizer"] = optim.named_to_ours(named, meta, chunks, kind=optimizer_kind)
             if scheduler is not None:
                 state["opt_param_scheduler"] = scheduler
         if rng is not None and (t, p) in rng:

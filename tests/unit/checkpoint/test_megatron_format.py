@@ -205,3 +205,42 @@ def test_resume_reproduces_megatron_core_continuation():
     assert (got - want).abs().max().item() < 1e-3, (got, want)
     fresh = _resume(ckpt, dims, load_optimizer=False)
     assert (fresh - want).abs().max().item() > 1e-2
+
+
+def _distributed_body(rank, world, out):
+    from megatron.core.checkpoint_formats import read_megatron_checkpoint as read
+    from megatron.core.checkpoint_formats.optimizer_state import named_to_ours
+    from megatron.core.distributed import DDPConfig, DistributedDataParallel
+
+    ckpt = read(FIXTURE)
+    dims = dims_from_args(ckpt.args_dict)
+    pstate = ParallelState.build(1, 1)
+    chunks = ckpt.model_state_per_rank[(0, 0)]
+    model = build_stage(dims, pstate, chunks[0], dtype=torch.bfloat16)
+    ddp = DistributedDataParallel(model, pstate=pstate, config=DDPConfig(use_distributed_optimizer=True))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp], pstate)
+    named, meta = ckpt.extra["optimizer_by_name"][(0, 0)]
+    opt.load_state_dict(named_to_ours(named, meta, chunks, kind="distributed"))
+    state = opt.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    torch.save({n: entry for n, entry in zip(names, state["params"])}, out)
+
+
+def test_megatron_optimizer_loads_into_our_distributed_optimizer(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    out = str(tmp_path / "distopt.pt")
+    run_distributed(_distributed_body, world_size=1, args=(out,))
+    got = torch.load(out, weights_only=True)
+    raw = load_megatron_file(RAW)
+    order = _golden()["param_order"]
+    pid = 0
+    for g, names in enumerate(order):
+        for j, name in enumerate(names):
+            torch.testing.assert_close(got[name]["param"], raw["optimizer"]["fp32_from_fp16_params"][g][j], atol=0,
+                                       rtol=0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got[name][key], raw["optimizer"]["optimizer"]["state"][pid][key], atol=0,
+                                           rtol=0)
+            pid += 1
+    assert len(got) == pid

@@ -144,3 +144,40 @@ def test_virtual_pipeline_chunks_follow_megatrons_assignment():
     assert "embedding.word_embeddings.weight" in ranks[(0, 0)][0] and "output_layer.weight" in ranks[(0, 1)][1]
     merged = merge_tp_pp(ranks)
     assert list(merged) == list(full) and all(torch.equal(merged[k], full[k]) for k in full)
+
+
+def test_fp32_optimizer_through_megatron_layout_and_back(tmp_path):
+    """An fp32 run's optimizer written in Megatron-LM's fp32 layout (the torch state dict itself, Megatron's
+    parameter order) reads back identical, and converts to the mixed-precision layout from the model weights."""
+    from megatron.core.checkpoint_formats import (load_megatron_file, read_megatron_checkpoint,
+                                                  write_megatron_checkpoint)
+
+    dims = tiny_dims(vocab=100, divisible_by=8)
+    batch = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(6))
+    model = build_stage(dims, ParallelState.single(), random_full(dims))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model], ParallelState.single())
+    _train_step(model, opt, batch)
+    chunks = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
+    named, meta = ours_to_named(opt.state_dict(), chunks, "fp32 run")
+    out = str(tmp_path / "mg")
+    args = {"global_batch_size": 2, "num_layers": 2}
+    write_megatron_checkpoint(out, {(0, 0): chunks}, dims, args, iteration=1,
+                              optimizer_by_name={(0, 0): (named, meta)})
+    raw = load_megatron_file(os.path.join(out, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"))
+    assert set(raw["optimizer"]) == {"state", "param_groups"}  # fp32: the torch optimizer's own state dict
+    qkv = [k for k in raw["model"] if "layers.0.self_attention" in k and not k.endswith("_extra_state")]
+    assert qkv[0].endswith("linear_proj.weight")  # Megatron-Core's order
+    back = read_megatron_checkpoint(out)
+    named2, meta2 = back.extra["optimizer_by_name"][(0, 0)]
+    assert meta2["kind"] == "fp32" and meta2["step"] == meta["step"] == 1.0
+    for name, entry in named[0].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(named2[0][name][key], entry[key]), name
+    mixed = named_to_ours(named2, meta2, back.model_state_per_rank[(0, 0)], kind="mixed")
+    bf16 = build_stage(dims, ParallelState.single(), {k: v.bfloat16() for k, v in chunks[0].items()},
+                       dtype=torch.bfloat16)
+    mp_opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [bf16], ParallelState.single())
+    mp_opt.load_state_dict(mixed)
+    for p, main in zip(mp_opt.model_params, mp_opt.main_params):
+        name = next(n for n, q in bf16.named_parameters() if q is p)
+        assert torch.equal(main.detach(), chunks[0][name])  # the fp32 weights become the main params
