@@ -21,7 +21,8 @@ def load(opts, family) -> Payload:
     merge_file = opts.merge_file or _existing(opts.load_dir, "merges.txt")
     args = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size,
             "num_attention_heads": dims.num_attention_heads, "hidden_dropout": config.get("resid_pdrop", 0.1),
-            "attention_dropout": config.get("attn_pdrop", 0.1), "init_method_std": config.get("initializer_range", 0.02),
+            "attention_dropout": config.get("attn_pdrop", 0.1),
+            "init_method_std": config.get("initializer_range", 0.02),
             "tokenizer_type": "GPT2BPETokenizer" if vocab_file else None, "vocab_file": vocab_file,
             "merge_file": merge_file}
     return Payload(family=family, dims=dims, full=full, args=args, source="hf", vocab_file=vocab_file,

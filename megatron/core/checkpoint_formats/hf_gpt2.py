@@ -110,7 +110,8 @@ def save_hf_gpt2(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, e
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
     model = GPT2LMHeadModel(config).to(dtype)
     missing, unexpected = model.load_state_dict(hf_sd, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and dims.tied_embeddings) and not k.endswith("attn.bias")]
+    tied_head = "lm_head.weight" if dims.tied_embeddings else None
+    missing = [k for k in missing if k != tied_head and not k.endswith("attn.bias")]
     if missing or unexpected:
         raise CheckpointFormatError(f"GPT-2 export does not fit transformers' GPT2LMHeadModel: missing "
                                     f"{missing[:3]}, unexpected {unexpected[:3]}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 
@@ -70,7 +70,7 @@ class ModelFamily:
     # modules whose Megatron-Core state dict carries an ``_extra_state`` entry
     megatron_extra_state_layer: List[str] = field(default_factory=list)
     megatron_extra_state_global: List[str] = field(default_factory=list)
-    shapes: Optional[object] = None  # callable(dims) -> {name: shape} of the full model
+    shapes: Optional[Callable[["ModelDims"], dict]] = None  # dims -> {name: full shape}
 
     def split_layer_name(self, name: str) -> Tuple[Optional[int], str]:
         """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``(3, "mlp.linear_fc1.weight")``; ``(None, name)``

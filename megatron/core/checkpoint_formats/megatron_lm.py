@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from megatron.core.checkpoint_formats import optimizer_state as optim
-from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, dims_from_args,
-                                                     model_chunks, rank_dir, rank_files, read_tracker,
+from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
+                                                     rank_dir, rank_files, read_tracker,
                                                      to_family_order, write_tracker)
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
@@ -181,7 +181,8 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
     plain.update(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size,
         num_attention_heads=dims.num_attention_heads, kv_channels=dims.hidden_size // dims.num_attention_heads,
-        max_position_embeddings=dims.max_position_embeddings, seq_length=dims.seq_length or dims.max_position_embeddings,
+        max_position_embeddings=dims.max_position_embeddings,
+        seq_length=dims.seq_length or dims.max_position_embeddings,
         padded_vocab_size=dims.padded_for(tp), make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
         layernorm_epsilon=dims.layernorm_epsilon, apply_layernorm_1p=dims.apply_layernorm_1p,
         untie_embeddings_and_output_weights=not dims.tied_embeddings, position_embedding_type="learned_absolute",

@@ -74,6 +74,7 @@ def merge_tp_pp(ranks: RankStates, family: ModelFamily = GPT, tied: bool = True)
                 gname = family.layer_name(index + offset, rel) if index is not None else name
                 dim = family.partition_dim(name)
                 values = [s[name] for s in shards]
+                # partitioned: [n/tp, ...] x tp -> [n, ...] along the partition dim; replicated: rank 0's copy
                 full[gname] = values[0] if dim is None or tp == 1 else torch.cat(values, dim=dim)
                 if not last and name in family.last_stage:
                     raise CheckpointFormatError(f"{name} found on a pipeline stage that is not the last")
@@ -137,7 +138,7 @@ def split_tp_pp(full: Dict[str, torch.Tensor], dims: ModelDims, tp: int, pp: int
                 if family.is_vocab(local):
                     value = resize_vocab_rows(value, rows)
                 dim = family.partition_dim(local)
-                parts = [value] * tp if dim is None else list(torch.chunk(value, tp, dim=dim))
+                parts = [value] * tp if dim is None else list(torch.chunk(value, tp, dim=dim))  # [n/tp, ...] each
                 for t in range(tp):
                     pieces[t][local] = parts[t].clone()
             for t in range(tp):

@@ -3,7 +3,6 @@ optimizer, TP=1) is resharded to TP=2 by tools/checkpoint/convert.py and resumed
 the next step's loss and weights equal those of the uninterrupted TP=1 run."""
 
 import argparse
-import os
 from dataclasses import asdict
 
 import torch
