@@ -90,14 +90,16 @@ def test_megatron_reshard_tp2_pp2_and_back_is_exact(tmp_path, capsys):
     assert new["opt_param_scheduler"] == raw["opt_param_scheduler"]
 
 
-def test_megatron_to_hf_gives_megatron_core_logits(tmp_path, capsys):
+@pytest.mark.parametrize("fixture", ["megatron_gpt", "megatron_gpt_tp2"])
+def test_megatron_to_hf_gives_megatron_core_logits(tmp_path, capsys, fixture):
     transformers = pytest.importorskip("transformers")
+    root = os.path.join(os.path.dirname(FIXTURE), fixture)
     hf_dir = str(tmp_path / "hf")
-    rc, out, _ = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", FIXTURE,
+    rc, out, _ = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", root,
                       "--save-dir", hf_dir)
     assert rc == 0 and "saved Hugging Face model" in out and "model.safetensors" in out
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).float().eval()
-    golden = torch.load(os.path.join(FIXTURE, "golden.pt"), weights_only=True)
+    golden = torch.load(os.path.join(root, "golden.pt"), weights_only=True)
     with torch.no_grad():
         logits = hf(golden["tokens"]).logits
     torch.testing.assert_close(logits, golden["logits"], atol=1e-5, rtol=1e-5)

@@ -244,3 +244,24 @@ def test_megatron_optimizer_loads_into_our_distributed_optimizer(tmp_path):
                                            rtol=0)
             pid += 1
     assert len(got) == pid
+
+
+def test_megatron_core_tp2_shards_merge_into_the_same_model():
+    """Shards cut by Megatron-Core's own tensor-parallel layers (fixtures/make_megatron_tp2_fixture.py) merge into
+    a model whose single-process logits equal Megatron-Core's TP=2 forward pass."""
+    root = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_tp2")
+    ckpt = read_megatron_checkpoint(root)
+    assert sorted(ckpt.model_state_per_rank) == [(0, 0), (1, 0)] and ckpt.iteration == 0
+    shard = ckpt.model_state_per_rank[(1, 0)][0]
+    assert shard["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (96, 64)
+    assert shard["decoder.layers.0.mlp.linear_fc2.weight"].shape == (64, 32)
+    assert ckpt.optimizer is None and ckpt.scheduler is None
+    dims = dims_from_args(ckpt.args_dict)
+    full = merge_tp_pp(ckpt.model_state_per_rank)
+    model = build_stage(dims, ParallelState.single(), full)
+    golden = torch.load(os.path.join(root, "golden.pt"), weights_only=True)
+    tokens = golden["tokens"]
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        logits = model(tokens, pos)
+    torch.testing.assert_close(logits, golden["logits"], atol=1e-5, rtol=1e-5)
