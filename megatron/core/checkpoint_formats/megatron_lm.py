@@ -123,6 +123,9 @@ def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: b
         state = load_megatron_file(path)
         if not isinstance(state, dict) or "args" not in state:
             raise CheckpointFormatError(f"{path} is not a Megatron-LM training checkpoint (no 'args')")
+        if isinstance(state["args"], dict):
+            raise CheckpointFormatError(f"{path} stores its arguments as a plain dict: it is one of our checkpoints "
+                                        "(read it with --loader ours)")
         if args is None:
             args, first = to_plain(state["args"]), state
             check_supported_args(args, path)

@@ -265,3 +265,25 @@ def test_megatron_core_tp2_shards_merge_into_the_same_model():
     with torch.no_grad():
         logits = model(tokens, pos)
     torch.testing.assert_close(logits, golden["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_architectures_and_the_wrong_reader(tmp_path):
+    from megatron.core.checkpoint_formats import read_our_checkpoint
+    from megatron.core.checkpoint_formats.megatron_lm import check_supported_args
+
+    for key, value, flag in (("swiglu", True, "--swiglu"), ("position_embedding_type", "rope",
+                                                             "--position-embedding-type rope"),
+                             ("normalization", "RMSNorm", "--normalization RMSNorm"),
+                             ("num_experts", 8, "--num-experts 8"), ("add_bias_linear", False, "--add-bias-linear")):
+        with pytest.raises(CheckpointFormatError, match=flag):
+            check_supported_args({key: value}, "f.pt")
+    check_supported_args({"swiglu": False, "num_experts": None, "transformer_impl": "local"}, "f.pt")
+    with pytest.raises(CheckpointFormatError, match="--loader megatron"):
+        read_our_checkpoint(FIXTURE)
+    ckpt = read_megatron_checkpoint(FIXTURE)
+    out = str(tmp_path / "ours")
+    from megatron.core.checkpoint_formats import write_our_checkpoint
+
+    write_our_checkpoint(out, ckpt.model_state_per_rank, dims_from_args(ckpt.args_dict), ckpt.args_dict)
+    with pytest.raises(CheckpointFormatError, match="--loader ours"):
+        read_megatron_checkpoint(out)
