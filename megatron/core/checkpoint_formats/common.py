@@ -70,9 +70,9 @@ def rank_files(iter_dir: str) -> Dict[Tuple[int, int], str]:
         out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(path, FILE)
     if not out:
         names = os.listdir(iter_dir)
-        if any(n.endswith(".distcp") for n in names) or ".metadata" in names:
-            raise CheckpointFormatError(f"{iter_dir} is a torch_dist (distributed) checkpoint; this reader handles "
-                                        "the legacy torch format (mp_rank_TT[_PPP]/model_optim_rng.pt)")
+        if any(n.endswith(".distcp") for n in names):
+            raise CheckpointFormatError(f"{iter_dir} holds torch_dist data files but no .metadata: an incomplete "
+                                        "torch_dist checkpoint")
         raise CheckpointFormatError(f"{iter_dir} holds no mp_rank_TT[_PPP]/{FILE}")
     return out
 

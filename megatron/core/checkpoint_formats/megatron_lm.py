@@ -6,7 +6,8 @@ Facts of the format (Megatron-LM with Megatron-Core models): one ``model_optim_r
 local layer spec); the optimizer is the torch optimizer's state dict (fp32) or ``{optimizer, fp32_from_fp16_params
 [per group], grad_scaler (fp16 only)}`` (bf16/fp16) in Megatron-Core's parameter order; ``opt_param_scheduler``
 counts samples; ``rng_state`` is a list with one dict per data-parallel rank; ``num_floating_point_operations_so_far``
-is top level. The distributed optimizer's ``distrib_optim.pt`` and ``torch_dist`` checkpoints are refused by name.
+is top level. The distributed optimizer's ``distrib_optim.pt`` is refused by name; ``torch_dist`` checkpoints give
+their model weights (``megatron_dist.py``).
 """
 
 from __future__ import annotations
@@ -114,8 +115,13 @@ def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: b
 
     Returns ``(model_state_per_rank, optimizer, scheduler, rng, iteration, consumed_samples, args_dict, extra)``:
     model state dicts without ``_extra_state`` (our module order), our trainer's optimizer state dicts (same
-    precision wrapper, our parameter order), our scheduler state (iterations), our RNG state per rank."""
+    precision wrapper, our parameter order), our scheduler state (iterations), our RNG state per rank.
+    A ``torch_dist`` folder gives its model weights only (``megatron_dist.read_torch_dist_checkpoint``)."""
     iteration, iter_dir = read_tracker(root)
+    if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # torch_dist: model weights only
+        from megatron.core.checkpoint_formats.megatron_dist import read_torch_dist_checkpoint
+
+        return read_torch_dist_checkpoint(root, family)
     files = rank_files(iter_dir)
     models, optimizers, named, rngs = {}, {}, {}, {}
     sched_raw, args, first = None, None, None

@@ -90,7 +90,7 @@ def test_megatron_reshard_tp2_pp2_and_back_is_exact(tmp_path, capsys):
     assert new["opt_param_scheduler"] == raw["opt_param_scheduler"]
 
 
-@pytest.mark.parametrize("fixture", ["megatron_gpt", "megatron_gpt_tp2"])
+@pytest.mark.parametrize("fixture", ["megatron_gpt", "megatron_gpt_tp2", "megatron_gpt_dist"])
 def test_megatron_to_hf_gives_megatron_core_logits(tmp_path, capsys, fixture):
     transformers = pytest.importorskip("transformers")
     root = os.path.join(os.path.dirname(FIXTURE), fixture)
@@ -99,7 +99,8 @@ def test_megatron_to_hf_gives_megatron_core_logits(tmp_path, capsys, fixture):
                       "--save-dir", hf_dir)
     assert rc == 0 and "saved Hugging Face model" in out and "model.safetensors" in out
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).float().eval()
-    golden = torch.load(os.path.join(root, "golden.pt"), weights_only=True)
+    golden_root = FIXTURE if fixture == "megatron_gpt_dist" else root  # torch_dist: the same run's weights
+    golden = torch.load(os.path.join(golden_root, "golden.pt"), weights_only=True)
     with torch.no_grad():
         logits = hf(golden["tokens"]).logits
     torch.testing.assert_close(logits, golden["logits"], atol=1e-5, rtol=1e-5)
@@ -115,6 +116,13 @@ def test_refusals_name_the_option(tmp_path, capsys, extra, message):
     rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--load-dir", FIXTURE, "--save-dir",
                       str(tmp_path / "out"), *extra)
     assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_torch_dist_refuses_the_optimizer_by_name(tmp_path, capsys):
+    root = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_dist")
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir", root,
+                      "--save-dir", str(tmp_path / "o"), "--reshard-optimizer")
+    assert rc == 2 and "torch_dist" in err and "--reshard-optimizer" in err
 
 
 def test_refuses_unknown_model_type_and_flags(tmp_path, capsys):

@@ -156,16 +156,43 @@ def test_write_megatron_matches_megatron_layout_and_reads_back(tmp_path):
     assert grouped_order(again.model_state_per_rank[(0, 0)]) == grouped_order(ckpt.model_state_per_rank[(0, 0)])
 
 
-def test_refuses_missing_tracker_and_torch_dist(tmp_path):
+def test_refuses_missing_tracker_and_incomplete_torch_dist(tmp_path):
     with pytest.raises(CheckpointFormatError, match="latest_checkpointed_iteration.txt"):
         read_megatron_checkpoint(str(tmp_path))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     it = tmp_path / "iter_0000005"
     it.mkdir()
     (it / "__0_0.distcp").write_bytes(b"")
-    (it / ".metadata").write_bytes(b"")
-    with pytest.raises(CheckpointFormatError, match="torch_dist"):
+    with pytest.raises(CheckpointFormatError, match="no .metadata"):
         read_megatron_checkpoint(str(tmp_path))
+
+
+def test_torch_dist_checkpoint_gives_the_legacy_weights_and_first_loss():
+    """The fixture run's iteration 3 saved by Megatron-Core's torch_dist writer
+    (fixtures/make_megatron_torch_dist_fixture.py): same weights as the legacy file, so the same first loss."""
+    dist_root = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_dist")
+    ckpt = read_megatron_checkpoint(dist_root)
+    assert ckpt.extra["format"] == "torch_dist" and ckpt.optimizer is None
+    assert ckpt.iteration == 3 and ckpt.consumed_samples == 6 and ckpt.args_dict["num_layers"] == 2
+    legacy = merge_tp_pp(read_megatron_checkpoint(FIXTURE).model_state_per_rank)
+    full = ckpt.model_state_per_rank[(0, 0)][0]
+    assert list(full) == list(legacy) and all(torch.equal(full[k], legacy[k]) for k in legacy)
+    dims = dims_from_args(ckpt.args_dict)
+    model = build_stage(dims, ParallelState.single(), full, dtype=torch.bfloat16)
+    data = _golden()["data"]
+    pos = torch.arange(data.shape[2] - 1).unsqueeze(0).expand(data.shape[1], -1)
+    with torch.no_grad():
+        loss = model(data[3, :, :-1], pos, labels=data[3, :, 1:]).float().mean()
+    assert abs(loss.item() - _golden()["resumed_losses"][0].item()) < 1e-3  # Megatron-Core's loss at that step
+
+
+def test_torch_dist_metadata_is_unpickled_through_an_allowlist(tmp_path):
+    from megatron.core.checkpoint_formats.megatron_dist import read_dcp_metadata
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    with pytest.raises(CheckpointFormatError, match="system"):
+        read_dcp_metadata(str(tmp_path))
+    assert not os.path.exists("/tmp/_ckpt_exploit_ran")
 
 
 def _resume(ckpt, dims, load_optimizer: bool):
