@@ -115,7 +115,10 @@ def write_tracker(root: str, iteration: int, release: bool) -> None:
 
 def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]] = None,
                    vocab_size: Optional[int] = None) -> ModelDims:
-    """Model sizes from saved arguments (Megatron-LM's or ours); ``full`` fills what the arguments omit."""
+    """Model sizes from saved arguments (Megatron-LM's or ours); ``full`` fills what the arguments omit.
+
+    ``vocab_size`` is the real vocabulary (default: the arguments' ``vocab_size``); when known, the padding at any
+    TP size follows Megatron's rule, as the trainer computes it from the tokenizer."""
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if args.get(k) is None]
     if missing:
         raise CheckpointFormatError(f"the checkpoint's saved arguments lack {missing[0]}")
@@ -126,6 +129,8 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
     if padded is None:
         raise CheckpointFormatError("the checkpoint's saved arguments lack padded_vocab_size")
     max_pos = args.get("max_position_embeddings") or args.get("seq_length")
+    if vocab_size is None and args.get("vocab_size"):  # Megatron-LM's --vocab-size (tokenizers without files)
+        vocab_size = int(args["vocab_size"])
     dtype = args.get("params_dtype")
     if dtype is None:
         dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"

@@ -314,3 +314,49 @@ def test_refuses_architectures_and_the_wrong_reader(tmp_path):
     write_our_checkpoint(out, ckpt.model_state_per_rank, dims_from_args(ckpt.args_dict), ckpt.args_dict)
     with pytest.raises(CheckpointFormatError, match="--loader ours"):
         read_megatron_checkpoint(out)
+
+
+def _tp2_load_body(rank, world, out):
+    from megatron.core.checkpoint_formats import state_for_rank
+
+    ckpt = read_megatron_checkpoint(FIXTURE)
+    dims = dims_from_args(ckpt.args_dict)
+    chunks, opt_state, rng = state_for_rank(ckpt, dims, world, 1, rank, 0, optimizer_kind="mixed")
+    assert rng is None  # the saved RNG streams belong to TP=1
+    pstate = ParallelState.build(tensor_model_parallel_size=world)
+    model = build_stage(dims, pstate, {k: v.float() for k, v in chunks[0].items()})
+    tokens = _golden()["tokens"]
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        local = model(tokens, pos)  # [b, s, 128/2]
+    parts = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=pstate.tp_group)
+    bf16 = build_stage(dims, pstate, chunks[0], dtype=torch.bfloat16)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True), [bf16], pstate)
+    opt.load_state_dict(opt_state)
+    names = {id(p): n for n, p in bf16.named_parameters()}
+    mains = {names[id(p)]: m.detach() for p, m in zip(opt.model_params, opt.main_params)}
+    if rank == 0:
+        torch.save({"logits": torch.cat(parts, dim=-1)}, out)
+    torch.save(mains, f"{out}.mains{rank}")
+
+
+def test_state_for_rank_reshards_megatron_to_tp2_at_load_time(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    out = str(tmp_path / "tp2.pt")
+    run_distributed(_tp2_load_body, world_size=2, args=(out,))
+    logits = torch.load(out, weights_only=True)["logits"]
+    assert logits.shape[-1] == 128  # 64 tokens padded for TP=2 (--make-vocab-size-divisible-by 64)
+    torch.testing.assert_close(logits[..., :64], _golden()["logits"], atol=1e-5, rtol=1e-5)
+    raw = load_megatron_file(RAW)
+    order = _golden()["param_order"]
+    main = {n: t for names, ts in zip(order, raw["optimizer"]["fp32_from_fp16_params"]) for n, t in zip(names, ts)}
+    for rank in range(2):
+        got = torch.load(f"{out}.mains{rank}", weights_only=True)
+        qkv = "decoder.layers.1.self_attention.linear_qkv.weight"
+        assert torch.equal(got[qkv], main[qkv].chunk(2, dim=0)[rank])
+        fc2 = "decoder.layers.0.mlp.linear_fc2.weight"
+        assert torch.equal(got[fc2], main[fc2].chunk(2, dim=1)[rank])
+        ln = "decoder.final_layernorm.weight"
+        assert torch.equal(got[ln], main[ln])
