@@ -111,7 +111,8 @@ def save_hf_gpt2(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, e
     model = GPT2LMHeadModel(config).to(dtype)
     missing, unexpected = model.load_state_dict(hf_sd, strict=False)
     tied_head = "lm_head.weight" if dims.tied_embeddings else None
-    missing = [k for k in missing if k != tied_head and not k.endswith("attn.bias")]
+    # causal-mask buffers of older transformers versions are not weights
+    missing = [k for k in missing if k != tied_head and not k.endswith(("attn.bias", "attn.masked_bias"))]
     if missing or unexpected:
         raise CheckpointFormatError(f"GPT-2 export does not fit transformers' GPT2LMHeadModel: missing "
                                     f"{missing[:3]}, unexpected {unexpected[:3]}")
