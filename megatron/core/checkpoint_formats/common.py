@@ -1,0 +1,162 @@
+"""Pieces shared by the readers and writers: the checkpoint directory layout, the loaded-checkpoint record, the
+model sizes from saved arguments, and crash-safe writing."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from megatron.core.checkpoint_formats.layout import ModelDims, ModelFamily
+from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+class LoadedCheckpoint(NamedTuple):
+    """Everything a checkpoint folder holds, per ``(tp_rank, pp_rank)`` where it is per rank, in our layouts.
+
+    ``model_state_per_rank``: ``{(tp, pp): [chunk state dict, ...]}``; ``optimizer``: ``{(tp, pp): our trainer's
+    optimizer state dict}`` or ``None``; ``scheduler``: our scheduler state (steps in iterations) or ``None``;
+    ``rng``: ``{(tp, pp): our RNG state}`` or ``None``; ``args_dict``: the saved arguments as plain types;
+    ``extra``: format-specific facts (e.g. Megatron-LM's sample-based scheduler state, the optimizer by name)."""
+
+    model_state_per_rank: Dict[Tuple[int, int], List[Dict[str, torch.Tensor]]]
+    optimizer: Optional[Dict[Tuple[int, int], dict]]
+    scheduler: Optional[dict]
+    rng: Optional[Dict[Tuple[int, int], dict]]
+    iteration: int
+    consumed_samples: int
+    args_dict: Dict[str, Any]
+    extra: Dict[str, Any] = {}
+
+
+def read_tracker(root: str) -> Tuple[int, str]:
+    """``(iteration, iteration folder)`` named by ``latest_checkpointed_iteration.txt`` (``release``: 0)."""
+    if not os.path.isdir(root):
+        raise CheckpointFormatError(f"--load-dir {root} is not a directory")
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        raise CheckpointFormatError(f"{root} holds no {TRACKER}: not a Megatron-layout checkpoint folder")
+    text = open(tracker).read().strip()
+    if text == "release":
+        return 0, os.path.join(root, "release")
+    if not text.isdigit():
+        raise CheckpointFormatError(f"corrupt tracker file {tracker}: expected an iteration number, found {text!r}")
+    return int(text), os.path.join(root, f"iter_{int(text):07d}")
+
+
+def rank_files(iter_dir: str) -> Dict[Tuple[int, int], str]:
+    """``{(tp_rank, pp_rank): path of model_optim_rng.pt}`` of an iteration folder."""
+    if not os.path.isdir(iter_dir):
+        raise CheckpointFormatError(f"checkpoint folder {iter_dir} named by the tracker does not exist")
+    out = {}
+    for name in sorted(os.listdir(iter_dir)):
+        path = os.path.join(iter_dir, name)
+        if not os.path.isdir(path):
+            continue
+        m = _RANK_DIR.match(name)
+        if not m:
+            if name.startswith("mp_rank_"):
+                raise CheckpointFormatError(f"{path}: rank folder layout {name} (expert parallelism?) is not "
+                                            "supported; expected mp_rank_TT or mp_rank_TT_PPP")
+            continue
+        if not os.path.isfile(os.path.join(path, FILE)):
+            raise CheckpointFormatError(f"{path} has no {FILE}")
+        out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(path, FILE)
+    if not out:
+        names = os.listdir(iter_dir)
+        if any(n.endswith(".distcp") for n in names):
+            raise CheckpointFormatError(f"{iter_dir} holds torch_dist data files but no .metadata: an incomplete "
+                                        "torch_dist checkpoint")
+        raise CheckpointFormatError(f"{iter_dir} holds no mp_rank_TT[_PPP]/{FILE}")
+    return out
+
+
+def rank_dir(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int, release: bool = False) -> str:
+    it = "release" if release else f"iter_{iteration:07d}"
+    rank = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return os.path.join(root, it, rank)
+
+
+def model_chunks(state: dict, path: str) -> List[Dict[str, torch.Tensor]]:
+    """The model state dict(s) of one file: ``model`` or ``model0``, ``model1``, ... (virtual pipeline)."""
+    if "model" in state:
+        return [state["model"]]
+    keys = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if not keys:
+        raise CheckpointFormatError(f"{path} holds no model state ('model' or 'model0', ...)")
+    return [state[k] for k in keys]
+
+
+def chunk_keys(n: int) -> List[str]:
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def atomic_save(obj, path: str) -> None:
+    """``torch.save`` under a temporary name, then rename."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_tracker(root: str, iteration: int, release: bool) -> None:
+    path = os.path.join(root, TRACKER)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write("release" if release else str(iteration))
+    os.replace(tmp, path)
+
+
+def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]] = None,
+                   vocab_size: Optional[int] = None) -> ModelDims:
+    """Model sizes from saved arguments (Megatron-LM's or ours); ``full`` fills what the arguments omit.
+
+    ``vocab_size`` is the real vocabulary (default: the arguments' ``vocab_size``); when known, the padding at any
+    TP size follows Megatron's rule, as the trainer computes it from the tokenizer."""
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if args.get(k) is None]
+    if missing:
+        raise CheckpointFormatError(f"the checkpoint's saved arguments lack {missing[0]}")
+    h = int(args["hidden_size"])
+    padded = args.get("padded_vocab_size")
+    if padded is None and full is not None:
+        padded = full["embedding.word_embeddings.weight"].shape[0]
+    if padded is None:
+        raise CheckpointFormatError("the checkpoint's saved arguments lack padded_vocab_size")
+    max_pos = args.get("max_position_embeddings") or args.get("seq_length")
+    if vocab_size is None and args.get("vocab_size"):  # Megatron-LM's --vocab-size (tokenizers without files)
+        vocab_size = int(args["vocab_size"])
+    dtype = args.get("params_dtype")
+    if dtype is None:
+        dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
+    return ModelDims(
+        num_layers=int(args["num_layers"]), hidden_size=h, num_attention_heads=int(args["num_attention_heads"]),
+        ffn_hidden_size=int(args.get("ffn_hidden_size") or 4 * h), max_position_embeddings=int(max_pos),
+        padded_vocab_size=int(padded), vocab_size=vocab_size,
+        make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
+        seq_length=args.get("seq_length"), layernorm_epsilon=float(args.get("layernorm_epsilon") or 1e-5),
+        apply_layernorm_1p=bool(args.get("apply_layernorm_1p", False)),
+        tied_embeddings=not bool(args.get("untie_embeddings_and_output_weights", False)),
+        params_dtype=str(dtype).replace("torch.", ""))
+
+
+def to_family_order(chunk: Dict[str, torch.Tensor], family: ModelFamily, megatron: bool) -> Dict[str, torch.Tensor]:
+    """A chunk's parameters re-listed in our (or Megatron-Core's) module order; ``_extra_state`` entries dropped."""
+    layer = family.megatron_layer if (megatron and family.megatron_layer) else family.layer
+    rank = {rel: i for i, rel in enumerate(layer)}
+
+    def key(name: str):
+        index, rel = family.split_layer_name(name)
+        if index is None:
+            group = 0 if name in family.first_stage else 2
+            order = (family.first_stage + family.last_stage).index(name) if family.known(name) else 0
+            return (group, 0, order)
+        return (1, index, rank.get(rel, len(rank)))
+
+    names = [n for n in chunk if not n.endswith("_extra_state")]
+    return {n: chunk[n] for n in sorted(names, key=key)}

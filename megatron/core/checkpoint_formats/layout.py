@@ -1,0 +1,183 @@
+"""What a model's checkpoint holds: parameter names, their tensor-parallel split, their order, their shapes.
+
+A :class:`ModelFamily` describes one model type (GPT here; BERT registers its own with :func:`register_family`).
+The resharding, the Megatron-LM reader/writer and the converter only consult the family, so a new model type needs
+a family, not new conversion code. :class:`ModelDims` carries the sizes that fix every full (unsharded) shape.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Smallest multiple of ``divisible_by * tp_size`` at or above ``vocab_size`` (Megatron's padding rule)."""
+    multiple = divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass
+class ModelDims:
+    """The sizes of a model, independent of its parallel layout."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    max_position_embeddings: int
+    padded_vocab_size: int  # rows of the embedding as stored (padding included)
+    vocab_size: Optional[int] = None  # the tokenizer's vocabulary (rows that are real tokens), when known
+    make_vocab_size_divisible_by: int = 128
+    seq_length: Optional[int] = None
+    layernorm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
+    tied_embeddings: bool = True
+    params_dtype: str = "float32"
+
+    def padded_for(self, tp_size: int) -> int:
+        """Embedding rows at ``tp_size``: the real vocabulary padded by Megatron's rule (when the real size is
+        unknown, the stored rows are kept and padded further only if ``tp_size`` needs it)."""
+        base = self.vocab_size if self.vocab_size is not None else self.padded_vocab_size
+        padded = pad_vocab_size(base, self.make_vocab_size_divisible_by, tp_size)
+        if self.vocab_size is None and self.padded_vocab_size % tp_size == 0:
+            return self.padded_vocab_size
+        return padded
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelFamily:
+    """Parameter layout of one model type in Megatron-Core naming."""
+
+    name: str
+    layer_prefix: str  # "decoder.layers." (GPT) / "encoder.layers." (BERT)
+    # names in our module order; layer-relative names are below ``layer_prefix + N.``
+    first_stage: List[str]  # parameters held by the first pipeline stage (embeddings)
+    layer: List[str]  # one transformer layer, in our module order
+    last_stage: List[str]  # parameters held by the last pipeline stage (final norm, heads)
+    # name (layer-relative or global) -> partition dimension over tensor-parallel ranks (absent: replicated)
+    tp_dim: Dict[str, int]
+    vocab_params: Tuple[str, ...]  # rows are the (padded) vocabulary
+    tied_output: str = "output_layer.weight"  # the output weight that is a tied copy of the word embeddings
+    # Megatron-Core's module order of a layer, where it differs from ours (it decides the optimizer's order)
+    megatron_layer: List[str] = field(default_factory=list)
+    # modules whose Megatron-Core state dict carries an ``_extra_state`` entry
+    megatron_extra_state_layer: List[str] = field(default_factory=list)
+    megatron_extra_state_global: List[str] = field(default_factory=list)
+    shapes: Optional[Callable[["ModelDims"], dict]] = None  # dims -> {name: full shape}
+
+    def split_layer_name(self, name: str) -> Tuple[Optional[int], str]:
+        """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``(3, "mlp.linear_fc1.weight")``; ``(None, name)``
+        for a parameter outside the layers."""
+        m = re.match(re.escape(self.layer_prefix) + r"(\d+)\.(.+)$", name)
+        return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+    def layer_name(self, index: int, rel: str) -> str:
+        return f"{self.layer_prefix}{index}.{rel}"
+
+    def partition_dim(self, name: str) -> Optional[int]:
+        return self.tp_dim.get(self.split_layer_name(name)[1])
+
+    def is_vocab(self, name: str) -> bool:
+        return name in self.vocab_params
+
+    def known(self, name: str) -> bool:
+        index, rel = self.split_layer_name(name)
+        if index is not None:
+            return rel in self.layer
+        return name in self.first_stage or name in self.last_stage
+
+    def full_order(self, num_layers: int, tied: bool) -> List[str]:
+        """Every parameter of the full model in our module order (the tied output weight left out)."""
+        names = list(self.first_stage)
+        for i in range(num_layers):
+            names += [self.layer_name(i, rel) for rel in self.layer]
+        names += [n for n in self.last_stage if not (tied and n == self.tied_output)]
+        return names
+
+    def check_shapes(self, full: dict, dims: ModelDims, where: str) -> None:
+        """Raise naming the first parameter whose full shape does not fit ``dims`` (or that is missing/unknown)."""
+        for name in full:
+            if not self.known(name):
+                raise CheckpointFormatError(f"{where}: unknown {self.name} parameter {name}")
+        expected = self.shapes(dims) if self.shapes is not None else {}
+        for name, shape in expected.items():
+            if name not in full:
+                if name == self.tied_output and dims.tied_embeddings:
+                    continue
+                raise CheckpointFormatError(f"{where}: {self.name} parameter {name} is missing")
+            if tuple(full[name].shape) != tuple(shape):
+                raise CheckpointFormatError(f"{where}: {name} has shape {tuple(full[name].shape)}, expected "
+                                            f"{tuple(shape)} from the model's sizes")
+
+
+def _gpt_shapes(d: ModelDims) -> dict:
+    h, f = d.hidden_size, d.ffn_hidden_size
+    out = {"embedding.word_embeddings.weight": (d.padded_vocab_size, h),
+           "embedding.position_embeddings.weight": (d.max_position_embeddings, h),
+           "decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,)}
+    if not d.tied_embeddings:
+        out["output_layer.weight"] = (d.padded_vocab_size, h)
+    per_layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
+                 "self_attention.linear_qkv.weight": (3 * h, h), "self_attention.linear_qkv.bias": (3 * h,),
+                 "self_attention.linear_proj.weight": (h, h), "self_attention.linear_proj.bias": (h,),
+                 "pre_mlp_layernorm.weight": (h,), "pre_mlp_layernorm.bias": (h,),
+                 "mlp.linear_fc1.weight": (f, h), "mlp.linear_fc1.bias": (f,),
+                 "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,)}
+    for i in range(d.num_layers):
+        out.update({f"decoder.layers.{i}.{k}": v for k, v in per_layer.items()})
+    return out
+
+
+_GPT_LAYER = ["input_layernorm.weight", "input_layernorm.bias",
+              "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+              "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+              "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+              "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
+
+GPT = ModelFamily(
+    name="GPT",
+    layer_prefix="decoder.layers.",
+    first_stage=["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"],
+    layer=_GPT_LAYER,
+    last_stage=["decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight"],
+    tp_dim={"embedding.word_embeddings.weight": 0, "output_layer.weight": 0,
+            "self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
+            "mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0,
+            "self_attention.linear_proj.weight": 1, "mlp.linear_fc2.weight": 1},
+    vocab_params=("embedding.word_embeddings.weight", "output_layer.weight"),
+    # Megatron-Core's SelfAttention registers linear_proj before linear_qkv
+    megatron_layer=["input_layernorm.weight", "input_layernorm.bias",
+                    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"],
+    megatron_extra_state_layer=["self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+                                "mlp.linear_fc2"],
+    megatron_extra_state_global=["output_layer"],
+    shapes=_gpt_shapes,
+)
+
+_FAMILIES: Dict[str, ModelFamily] = {"GPT": GPT}
+
+
+def register_family(family: ModelFamily) -> None:
+    """Make ``family`` available to the readers, writers and ``tools/checkpoint/convert.py --model-type``."""
+    _FAMILIES[family.name] = family
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in _FAMILIES:
+        raise CheckpointFormatError(f"--model-type {name}: no checkpoint layout is registered for it "
+                                    f"(available: {', '.join(sorted(_FAMILIES))})")
+    return _FAMILIES[name]
+
+
+def families() -> List[str]:
+    return sorted(_FAMILIES)

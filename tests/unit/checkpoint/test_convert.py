@@ -1,0 +1,135 @@
+"""tools/checkpoint/convert.py end to end on the Megatron-Core fixture."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from megatron.core.checkpoint_formats import load_megatron_file, read_our_checkpoint
+from tests.unit.checkpoint.helpers import FIXTURE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+RAW = os.path.join(FIXTURE, "iter_0000003", "mp_rank_00", "model_optim_rng.pt")
+
+
+def _convert_module():
+    spec = importlib.util.spec_from_file_location("convert_tool", os.path.join(ROOT, "tools", "checkpoint",
+                                                                              "convert.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(capsys, *argv):
+    rc = _convert_module().main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_megatron_to_ours_tp2_pp2_and_back_keeps_model_and_optimizer(tmp_path, capsys):
+    ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
+    rc, out, _ = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir",
+                      FIXTURE, "--save-dir", ours, "--target-tensor-parallel-size", "2",
+                      "--target-pipeline-parallel-size", "2", "--reshard-optimizer")
+    assert rc == 0
+    assert "loaded GPT from megatron checkpoint" in out and "55,680 parameters" in out
+    assert "saved model, optimizer and scheduler as ours checkpoint TP=2 PP=2 (vocabulary padded to 128)" in out
+    assert "RNG state dropped" in out
+    loaded = read_our_checkpoint(ours)
+    assert sorted(loaded.model_state_per_rank) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert loaded.iteration == 3 and loaded.consumed_samples == 6 and loaded.scheduler["num_steps"] == 3
+    last = loaded.model_state_per_rank[(1, 1)][0]
+    assert last["output_layer.weight"].shape == (64, 64)  # the tied copy: 128 padded rows / 2
+    # first stage: 2 embeddings + 12 of layer 0; last stage: 12 of layer 1 + final norm (2) + tied output weight
+    assert len(loaded.optimizer[(0, 0)]["fp32_from_fp16_params"]) == 14
+    last_mains = loaded.optimizer[(0, 1)]["fp32_from_fp16_params"]
+    assert len(last_mains) == 15
+    first_mains = loaded.optimizer[(0, 0)]["fp32_from_fp16_params"]
+    # decayed group of the last stage: layer 1's four matrices, then the output weight (the word embeddings' copy)
+    assert last_mains[4].shape == (64, 64) and torch.equal(last_mains[4], first_mains[0])
+    rc, out, _ = _run(capsys, "--model-type", "GPT", "--loader", "ours", "--saver", "megatron", "--load-dir", ours,
+                      "--save-dir", back, "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size",
+                      "1", "--reshard-optimizer")
+    assert rc == 0 and "as megatron checkpoint TP=1 PP=1" in out
+    raw = load_megatron_file(RAW)
+    new = load_megatron_file(os.path.join(back, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    assert list(new["model"]) == list(raw["model"])
+    for k, v in raw["model"].items():
+        assert (new["model"][k] is None) if v is None else torch.equal(new["model"][k], v), k
+    for a, b in zip(new["optimizer"]["fp32_from_fp16_params"], raw["optimizer"]["fp32_from_fp16_params"]):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    for pid, st in raw["optimizer"]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(new["optimizer"]["optimizer"]["state"][pid][key], st[key])
+    assert new["opt_param_scheduler"] == raw["opt_param_scheduler"]
+    assert new["args"].consumed_train_samples == 6
+
+
+def test_megatron_reshard_tp2_pp2_and_back_is_exact(tmp_path, capsys):
+    mid, back = str(tmp_path / "mid"), str(tmp_path / "back")
+    base = ["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--reshard-optimizer"]
+    rc, out, _ = _run(capsys, *base, "--load-dir", FIXTURE, "--save-dir", mid, "--target-tensor-parallel-size", "2",
+                      "--target-pipeline-parallel-size", "2")
+    assert rc == 0 and sorted(os.listdir(os.path.join(mid, "iter_0000003"))) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    last = load_megatron_file(os.path.join(mid, "iter_0000003", "mp_rank_01_001", "model_optim_rng.pt"))
+    assert "output_layer._extra_state" in last["model"] and "decoder.layers.0.mlp.linear_fc2.weight" in last["model"]
+    assert last["args"].tensor_model_parallel_size == 2 and last["args"].padded_vocab_size == 128
+    assert [len(g) for g in last["optimizer"]["fp32_from_fp16_params"]] == [5, 10]
+    rc, _, _ = _run(capsys, *base, "--load-dir", mid, "--save-dir", back, "--target-tensor-parallel-size", "1",
+                    "--target-pipeline-parallel-size", "1")
+    assert rc == 0
+    raw = load_megatron_file(RAW)
+    new = load_megatron_file(os.path.join(back, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    for k, v in raw["model"].items():
+        assert (new["model"][k] is None) if v is None else torch.equal(new["model"][k], v), k
+    for pid, st in raw["optimizer"]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(new["optimizer"]["optimizer"]["state"][pid][key], st[key])
+    assert new["opt_param_scheduler"] == raw["opt_param_scheduler"]
+
+
+@pytest.mark.parametrize("fixture", ["megatron_gpt", "megatron_gpt_tp2", "megatron_gpt_dist"])
+def test_megatron_to_hf_gives_megatron_core_logits(tmp_path, capsys, fixture):
+    transformers = pytest.importorskip("transformers")
+    root = os.path.join(os.path.dirname(FIXTURE), fixture)
+    hf_dir = str(tmp_path / "hf")
+    rc, out, _ = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", root,
+                      "--save-dir", hf_dir)
+    assert rc == 0 and "saved Hugging Face model" in out and "model.safetensors" in out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).float().eval()
+    golden_root = FIXTURE if fixture == "megatron_gpt_dist" else root  # torch_dist: the same run's weights
+    golden = torch.load(os.path.join(golden_root, "golden.pt"), weights_only=True)
+    with torch.no_grad():
+        logits = hf(golden["tokens"]).logits
+    torch.testing.assert_close(logits, golden["logits"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--saver", "hf", "--target-tensor-parallel-size", "2"], "--target-tensor-parallel-size 2"),
+    (["--saver", "hf", "--reshard-optimizer"], "--reshard-optimizer"),
+    (["--saver", "ours", "--target-pipeline-parallel-size", "3"], "--target-pipeline-parallel-size 3"),
+    (["--saver", "ours", "--target-tensor-parallel-size", "3"], "--target-tensor-parallel-size 3"),
+])
+def test_refusals_name_the_option(tmp_path, capsys, extra, message):
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--load-dir", FIXTURE, "--save-dir",
+                      str(tmp_path / "out"), *extra)
+    assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_torch_dist_refuses_the_optimizer_by_name(tmp_path, capsys):
+    root = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_dist")
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir", root,
+                      "--save-dir", str(tmp_path / "o"), "--reshard-optimizer")
+    assert rc == 2 and "torch_dist" in err and "--reshard-optimizer" in err
+
+
+def test_refuses_unknown_model_type_and_flags(tmp_path, capsys):
+    rc, _, err = _run(capsys, "--model-type", "BERT", "--loader", "megatron", "--saver", "ours", "--load-dir",
+                      FIXTURE, "--save-dir", str(tmp_path / "o"))
+    assert rc == 2 and "--model-type BERT" in err
+    with pytest.raises(SystemExit):
+        _convert_module().main(["--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir",
+                                FIXTURE, "--save-dir", str(tmp_path / "o"), "--target-expert-parallel-size", "2"])
+    assert "--target-expert-parallel-size" in capsys.readouterr().err
