@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.fusions._triton_elementwise import (_sm_count, param_grad_result, param_grad_target,
-                                                       sum_partial_rows, sum_partial_rows_pair)
-from megatron.core.fusions.main_grad import reduce_param_grad
+from megatron.core.fusions._triton_elementwise import sm_count, sum_partial_rows, sum_partial_rows_pair
+from megatron.core.grad_record import reduce_into_sink, sink_output, sink_result
 
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
 
@@ -135,7 +134,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.has_bias, ctx.zero_centered = bias is not None, bool(zero_centered_gamma)
         ctx.block_n, ctx.shape = block_n, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.params = (weight, bias)  # gradient-accumulation fusion (main_grad.py) looks at the Parameters
+        ctx.params = (weight, bias)  # the Parameters: their gradient may go to a sink (grad_record.py)
         return (y.view(x.shape), x.view_as(x)) if residual_out else y.view(x.shape)
 
     @staticmethod
@@ -147,7 +146,7 @@ class LayerNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x2)
         tile_elems, warps, per_sm = LN_CONFIG["bwd"]
         block_m = _block_m(tile_elems, ctx.block_n)
-        sms = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
+        sms = sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
             if x2.is_cuda else 4
         row_tiles = triton.cdiv(m, block_m)
         programs = max(1, min(row_tiles, per_sm * sms))
@@ -161,11 +160,11 @@ class LayerNormFunction(torch.autograd.Function):
                                     num_warps=warps)
         w_param, b_param = ctx.params
         if ctx.has_bias:  # gamma's and beta's gradients finished in one launch
-            dw_out, dw_acc = param_grad_target(w_param, n, weight.dtype, x2.device)
-            db_out, db_acc = param_grad_target(b_param, n, ctx.bias_dtype, x2.device)
+            dw_out, dw_acc = sink_output(w_param, n, weight.dtype, x2.device)
+            db_out, db_acc = sink_output(b_param, n, ctx.bias_dtype, x2.device)
             sum_partial_rows_pair(dw_part, dw_out, dw_acc, db_part, db_out, db_acc)
-            dw, db = param_grad_result(w_param, dw_out, dw_acc), param_grad_result(b_param, db_out, db_acc)
+            dw, db = sink_result(w_param, dw_out), sink_result(b_param, db_out)
         else:
-            dw = reduce_param_grad(w_param, lambda acc: sum_partial_rows(dw_part, weight.dtype, acc))
+            dw = reduce_into_sink(w_param, lambda out, acc: sum_partial_rows(dw_part, weight.dtype, out, acc))
             db = None
         return dx.view(ctx.shape), dw, db, None, None, None
