@@ -6,8 +6,8 @@ functions and the ``try: import`` of optional kernels, and needs no dependency t
 - A cycle (``a`` imports ``b`` ... imports ``a``) makes import order matter and hides which module is the lower
   layer; each one found is reported with its path.
 - A private cross-module import (``from megatron.x.y import _name``, ``from megatron.x import _module``, or
-  ``y._name`` through an imported module ``y``) couples a module to another's internals: the name should be made public, or the code moved to where it
-  belongs. Importing a private *module* of one's own package (``from megatron.core.fusions import
+  ``y._name`` through an imported module ``y``) couples a module to another's internals: the name should be
+  made public, or the code moved to where it belongs. Importing a private *module* of one's own package (``from megatron.core.fusions import
   _triton_fp8`` inside ``megatron/core/fusions/``) is the normal way a package uses its implementation
   files, and allowed; a private module reached from another package is not.
 

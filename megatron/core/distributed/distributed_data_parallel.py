@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.comm import backend_of, group_size
+from megatron.core.collectives import backend_of, group_size
 from megatron.core.distributed.ddp_config import DDPConfig
 from megatron.core.distributed.grad_buffer import Bucket, GradBuffer
 from megatron.core.grad_record import add_grad
@@ -110,7 +110,7 @@ class DistributedDataParallel(torch.nn.Module):
                 )
             bucket.ready.add(param)
             if len(bucket.ready) == len(bucket.params):
-                buf.start_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
+                buf.start_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
 
     # ---- gradient synchronisation ---------------------------------------------------------------------
     @contextmanager
@@ -134,14 +134,14 @@ class DistributedDataParallel(torch.nn.Module):
         self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
-                buf.start_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
+                buf.start_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket not yet launched and wait for all reductions (mean over DP)."""
         self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
-                buf.finish_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
+                buf.finish_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
 
     def make_full_grads(self, params) -> None:
         """Make the complete ``main_grad`` of ``params`` valid after a reduce-scatter (all-gather their buckets).
@@ -159,7 +159,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket = buf.param_to_bucket[p]
             if (id(buf), bucket.index) not in seen:
                 seen.add((id(buf), bucket.index))
-                buf.gather_bucket_grads(bucket, self.dp_group, self.dp_rank)
+                buf.gather_bucket_grads(bucket, self.dp_group)
 
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and forget per-iteration bucket state.
@@ -194,7 +194,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         for buf in self.buffers:
             for bucket in reversed(buf.buckets):  # forward order: the first layers live in the last bucket
-                buf.start_bucket_param_sync(bucket, self.dp_group, self.dp_rank)
+                buf.start_bucket_param_sync(bucket, self.dp_group)
         if overlap:
             self._install_param_gather_hooks()
         else:

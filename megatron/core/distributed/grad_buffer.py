@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.comm import Pending, all_gather_inplace, all_reduce, reduce_scatter_inplace
+from megatron.core.collectives import Pending, all_gather_in_place, all_reduce, reduce_scatter_in_place
 from megatron.core.grad_record import GradRecord, attach_main_grad
 
 _SHARD_ALIGN = 128  # elements; keeps every shard start aligned for fast collectives
@@ -141,7 +141,7 @@ class GradBuffer:
         return pieces
 
     # ---- gradient reduction ---------------------------------------------------------------------------
-    def start_bucket_grad_sync(self, bucket: Bucket, dp_group, dp_rank: int, use_avg: bool) -> None:
+    def start_bucket_grad_sync(self, bucket: Bucket, dp_group, use_avg: bool) -> None:
         """Launch the asynchronous mean over DP of ``bucket``'s grads (all-reduce, or reduce-scatter)."""
         if bucket.grad_handle is not None:
             return
@@ -152,25 +152,25 @@ class GradBuffer:
             else:
                 bucket.grad_data.mul_(1.0 / self.dp_size)
         if self.sharded:
-            bucket.grad_handle = reduce_scatter_inplace(bucket.grad_data, dp_rank, dp_group, op=op)
+            bucket.grad_handle = reduce_scatter_in_place(bucket.grad_data, dp_group, op=op, async_op=True)
         else:
             bucket.grad_handle = all_reduce(bucket.grad_data, dp_group, op=op, async_op=True)
 
-    def finish_bucket_grad_sync(self, bucket: Bucket, dp_group, dp_rank: int, use_avg: bool) -> None:
-        self.start_bucket_grad_sync(bucket, dp_group, dp_rank, use_avg)
+    def finish_bucket_grad_sync(self, bucket: Bucket, dp_group, use_avg: bool) -> None:
+        self.start_bucket_grad_sync(bucket, dp_group, use_avg)
         bucket.grad_handle.wait()
         bucket.grad_handle = None
         bucket.ready.clear()
 
-    def gather_bucket_grads(self, bucket: Bucket, dp_group, dp_rank: int) -> None:
+    def gather_bucket_grads(self, bucket: Bucket, dp_group) -> None:
         """After a reduce-scatter, make the whole bucket's grads valid by all-gathering the reduced shards."""
         if self.sharded and self.dp_size > 1:
-            all_gather_inplace(bucket.grad_data, dp_rank, dp_group, async_op=False).wait()
+            all_gather_in_place(bucket.grad_data, dp_group)
 
     # ---- parameter all-gather (distributed optimizer) ------------------------------------------------
-    def start_bucket_param_sync(self, bucket: Bucket, dp_group, dp_rank: int) -> None:
+    def start_bucket_param_sync(self, bucket: Bucket, dp_group) -> None:
         if bucket.param_handle is None:
-            bucket.param_handle = all_gather_inplace(bucket.param_data, dp_rank, dp_group, async_op=True)
+            bucket.param_handle = all_gather_in_place(bucket.param_data, dp_group, async_op=True)
 
     def finish_bucket_param_sync(self, bucket: Bucket) -> None:
         if bucket.param_handle is not None:

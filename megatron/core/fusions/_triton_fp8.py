@@ -32,7 +32,7 @@ import triton.language as tl
 
 from megatron.core.fusions._triton_elementwise import sm_count, gelu_f32
 
-# Launch configurations; bench/kernel_sweep.py --only fp8 times the alternatives (--apply-fp8 rewrites these lines).
+# Launch configurations; bench/kernel_sweep.py --only fp8 times the alternatives.
 AMAX_CONFIG = {"block": 4096, "programs_per_sm": 4, "num_warps": 8}
 CAST_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 8}
 

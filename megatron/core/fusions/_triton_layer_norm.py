@@ -2,19 +2,21 @@
 
 Both kernels work on 2D tiles of ``BLOCK_M`` whole rows (``BLOCK_N`` >= the row length), so a program has
 several rows' loads in flight and reduces them together; one row per step was latency-bound on narrow rows
-(h = 768 ran at a fifth of memory bandwidth).
+(far below memory bandwidth at h = 768).
 
 Forward: mean and variance in fp32 from a single load of each row; saves the input, the per-row mean and 1/std
 (8 bytes a row), never the normalised output.
 Backward: each program walks a contiguous run of row tiles, writes dx and accumulates dgamma/dbeta partial sums
-in fp32 registers; the partials ([programs, h]) are summed by one reduction at the end.
+in fp32 registers; the partials ([programs, h]) of both parameters are summed by one launch of the finishing
+kernel (``sum_partial_rows_pair``), into the parameters' ``main_grad`` when they are gradient sinks
+(``megatron/core/grad_record.py``).
 
 With ``zero_centered_gamma`` the stored weight is ``gamma - 1`` and the kernel adds the 1 itself (the gradient
 with respect to the stored weight equals the gradient with respect to gamma).
 
-``LN_CONFIG`` holds the launch choices; ``bench/kernel_sweep.py --apply-layer-norm`` measures alternatives against
-PyTorch's own LayerNorm on the GPU and writes the winner here, with ``min_width``: the narrowest swept row
-length at which this kernel beat PyTorch's (``ops.layer_norm`` uses PyTorch's kernel for narrower rows).
+``LN_CONFIG`` holds the launch choices, chosen with ``bench/kernel_sweep.py`` (which measures alternatives against
+PyTorch's own LayerNorm on the GPU), and ``min_width``: the narrowest swept row length at which this kernel beat
+PyTorch's (``ops.layer_norm`` uses PyTorch's kernel for narrower rows).
 """
 
 from __future__ import annotations

@@ -78,8 +78,9 @@ def scales(x: torch.Tensor, dtype: torch.dtype, margin: int) -> Tuple[torch.Tens
     """(scale, 1/scale) as one-element fp32 tensors: ``fp8_max / amax(|x|) / 2**margin``.
 
     amax 0 gives scale 1; a non-finite amax gives NaN (so the overflow reaches the non-finite-gradient check).
-    Everything stays on the device: no host synchronisation (CUDA-graph safe). On CUDA two small Triton
-    kernels (per-program maxima, then the scale); elsewhere PyTorch ops.
+    Everything stays on the device: no host synchronisation (CUDA-graph safe). On CUDA the amax kernel and a
+    one-program scale kernel (``quantize`` does not call this: its cast kernel computes the scale itself);
+    elsewhere PyTorch ops.
     """
     if HAVE_TRITON and x.is_cuda and x.is_contiguous():
         return _triton_scales(x, dtype, margin)

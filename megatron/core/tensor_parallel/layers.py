@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.collectives import all_gather_dim0, reduce_scatter_dim0
 from megatron.core.fusions.fp8 import fp8_linear, new_sites
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 from megatron.core.fusions.mlp import bias_gelu_linear
@@ -35,8 +36,6 @@ from megatron.core.fusions.ops import bias_gelu, bias_grad
 from megatron.core.grad_record import declare_grad_sink
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
-    _all_gather_dim0,
-    _reduce_scatter_dim0,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -96,7 +95,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
-        total = _all_gather_dim0(x, group)  # [s, b, in]
+        total = all_gather_dim0(x, group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias, ctx.bias = group, bias is not None, bias
         return F.linear(total, weight, bias)  # [s, b, out/tp]
@@ -105,11 +104,11 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        pending_total = _all_gather_dim0(x, ctx.group, async_op=True) if need_w else None
+        pending_total = all_gather_dim0(x, ctx.group, async_op=True) if need_w else None
         grad_x = None
         if need_x:
             grad_total = grad_out.matmul(weight)  # [s, b, in], partial over TP
-            pending_grad_x = _reduce_scatter_dim0(grad_total, ctx.group, async_op=True)
+            pending_grad_x = reduce_scatter_dim0(grad_total, ctx.group, async_op=True)
         grad_w = grad_b = None
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, out/tp]
         if need_w:
