@@ -56,6 +56,12 @@ def record_of(param: Optional[torch.Tensor]) -> Optional[GradRecord]:
     return getattr(param, "grad_record", None)
 
 
+def main_grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """``param``'s main-grad slice when a data-parallel wrapper gave it one, else None."""
+    record = record_of(param)
+    return None if record is None else record.main_grad
+
+
 def _attach(param: torch.Tensor) -> GradRecord:
     record = record_of(param)
     if record is None:

@@ -8,11 +8,12 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core.collectives import all_reduce, group_size
+from megatron.core.grad_record import main_grad_of
 
 
 def _grad(p: torch.nn.Parameter):
     """The grad to reduce: ``main_grad`` under DDP, else ``.grad`` (an unwrapped module)."""
-    g = getattr(p, "main_grad", None)
+    g = main_grad_of(p)
     return g if g is not None else p.grad
 
 
