@@ -195,8 +195,10 @@ def test_linear_grad_accumulation_fusion(with_bias):
     """Weight grads land in the fp32 main_grad (accumulated over two calls); x and bias grads as F.linear's."""
     from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 
+    from megatron.core.grad_record import attach_main_grad
+
     w = torch.nn.Parameter(torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) * 0.05)
-    w.main_grad = torch.randn(384, 256, device="cuda", dtype=torch.float32)
+    attach_main_grad(w, torch.randn(384, 256, device="cuda", dtype=torch.float32)).is_zero = False  # added to
     start = w.main_grad.clone()
     b = torch.nn.Parameter(torch.randn(384, device="cuda", dtype=torch.bfloat16)) if with_bias else None
     ref_w = w.detach().float().clone().requires_grad_()
@@ -211,7 +213,7 @@ def test_linear_grad_accumulation_fusion(with_bias):
         ref.backward(g.float())
         assert rel_err(out, ref) < 1e-2
         assert rel_err(x.grad, xr.grad) < 1e-2
-    assert w.grad is None and w.grad_added_to_main_grad
+    assert w.grad is None
     assert rel_err(w.main_grad - start, ref_w.grad) < 1e-2
     if with_bias:
         assert rel_err(b.grad, ref_b.grad) < 1e-2
@@ -236,36 +238,43 @@ def test_column_sum_and_bias_grad(dtype, shape):
 
 
 @pytest.mark.parametrize("shape", [(16384, 768), (33, 100)])  # several row groups / a single one
-def test_column_sum_accumulate_into(shape):
-    """column_sum / sum_partial_rows add their fp32 sums to a given fp32 buffer and return None."""
-    from megatron.core.fusions._triton_elementwise import column_sum, sum_partial_rows
+@pytest.mark.parametrize("finish_in_last_program", [True, False])
+def test_column_sum_into_a_given_output(shape, finish_in_last_program, monkeypatch):
+    """column_sum / sum_partial_rows store their fp32 sums into a given fp32 buffer: written over its contents,
+    or added to them with ``accumulate``; the finishing switch gives the same sums."""
+    from megatron.core.fusions import _triton_elementwise as te
 
+    monkeypatch.setattr(te, "FINISH_IN_LAST_PROGRAM", finish_in_last_program)
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-    acc = torch.randn(shape[1], device="cuda")
+    acc = torch.full((shape[1],), float("nan"), device="cuda")
+    assert te.column_sum(x, torch.bfloat16, acc, False) is acc  # written: the NaN is never read
+    assert rel_err(acc, x.float().sum(0)) < 1e-5
     start = acc.clone()
-    assert column_sum(x, torch.bfloat16, accumulate_into=acc) is None
+    te.column_sum(x, torch.bfloat16, acc, True)
     assert rel_err(acc - start, x.float().sum(0)) < 1e-5
     part = torch.randn(7, shape[1], device="cuda")
     before = acc.clone()
-    assert sum_partial_rows(part, torch.bfloat16, accumulate_into=acc) is None
+    assert te.sum_partial_rows(part, torch.bfloat16, acc, True) is acc
     assert rel_err(acc - before, part.sum(0)) < 1e-5
-    with pytest.raises(ValueError, match="accumulate_into"):
-        column_sum(x, torch.bfloat16, accumulate_into=acc.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32 to accumulate into"):
+        te.column_sum(x, torch.bfloat16, acc.to(torch.bfloat16), True)
 
 
 def _flagged(t: torch.Tensor, flag: bool = True) -> torch.nn.Parameter:
+    from megatron.core.grad_record import attach_main_grad, declare_grad_sink
+
     p = torch.nn.Parameter(t)
-    p.grad_accumulation_fusion = flag
-    p.main_grad = torch.randn(t.shape, device="cuda", dtype=torch.float32)
+    declare_grad_sink(p, flag)
+    attach_main_grad(p, torch.randn(t.shape, device="cuda", dtype=torch.float32)).is_zero = False  # added to
     p.main_grad_start = p.main_grad.clone()
     return p
 
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_small_param_grads_go_into_main_grad(flag):
-    """Gradient-accumulation fusion for biases and LayerNorm parameters (fusions/main_grad.py): flagged
-    Parameters with an fp32 main_grad get their gradient added there by the fused kernels (no .grad), twice
-    over two backward passes; unflagged ones get a .grad. Both equal the fp32 reference gradients."""
+    """Gradient sinks for biases and LayerNorm parameters (megatron/core/grad_record.py): declared Parameters
+    with an fp32 main_grad get their gradient added there by the fused kernels (no .grad), twice over two
+    backward passes; the others get a .grad. Both equal the fp32 reference gradients."""
     from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 
     h, f = 1024, 2048  # LayerNorm rows below LN_CONFIG's min_width (768) run PyTorch's kernel, through the hook
@@ -297,7 +306,7 @@ def test_small_param_grads_go_into_main_grad(flag):
     for p in small:
         want = refs[id(p)].grad
         if flag:
-            assert p.grad is None and p.grad_added_to_main_grad
+            assert p.grad is None
             assert rel_err(p.main_grad - p.main_grad_start, want) < 1e-2
         else:
             assert torch.equal(p.main_grad, p.main_grad_start)

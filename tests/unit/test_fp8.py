@@ -88,21 +88,24 @@ def test_fp8_linear_tracks_the_bf16_linear(fmt, fwd_tol, bwd_tol):
 
 
 def test_weight_gradient_goes_into_main_grad():
+    from megatron.core.grad_record import attach_main_grad
+
     x, w, b, dy = _operands()
     x.requires_grad_()
     ref = w.clone().requires_grad_()
     fp8.fp8_linear(x, ref, None, "hybrid", accumulate_into_main_grad=False).backward(dy)
     dw = ref.grad.float()
     w_ = w.clone().requires_grad_()
-    w_.main_grad = torch.full(w.shape, 0.5)  # holds an earlier microbatch's gradient: added to
+    record = attach_main_grad(w_, torch.full(w.shape, 0.5))
+    record.is_zero = False  # holds an earlier microbatch's gradient: added to
     fp8.fp8_linear(x, w_, None, "hybrid", accumulate_into_main_grad=True).backward(dy)
-    assert w_.grad is None and w_.grad_added_to_main_grad
+    assert w_.grad is None
     assert torch.allclose(w_.main_grad - 0.5, dw, rtol=1e-2, atol=1e-6)
-    # freshly zeroed by the DP wrapper: the GEMM writes the gradient itself (whatever the buffer held), once
+    # marked zero by the DP wrapper: the GEMM writes the gradient itself (whatever the buffer held), once
     w_.main_grad.fill_(7.0)
-    w_.main_grad_is_zero = True
+    record.is_zero = True
     fp8.fp8_linear(x, w_, None, "hybrid", accumulate_into_main_grad=True).backward(dy)
-    assert not w_.main_grad_is_zero and torch.allclose(w_.main_grad, dw, rtol=1e-2, atol=1e-6)
+    assert not record.is_zero and torch.allclose(w_.main_grad, dw, rtol=1e-2, atol=1e-6)
     fp8.fp8_linear(x, w_, None, "hybrid", accumulate_into_main_grad=True).backward(dy)  # second microbatch adds
     assert torch.allclose(w_.main_grad, 2 * dw, rtol=1e-2, atol=1e-6)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 
@@ -181,3 +181,21 @@ def get_family(name: str) -> ModelFamily:
 
 def families() -> List[str]:
     return sorted(_FAMILIES)
+
+
+def check_supported_args(args: Dict[str, Any], where: str) -> None:
+    """Refuse, by flag, the architectures whose weights our models cannot hold."""
+    refusals = [
+        ("position_embedding_type", lambda v: v not in (None, "learned_absolute"), "learned_absolute"),
+        ("normalization", lambda v: v not in (None, "LayerNorm"), "LayerNorm"),
+        ("swiglu", lambda v: bool(v), "off"),
+        ("add_bias_linear", lambda v: v is False, "on"),
+        ("group_query_attention", lambda v: bool(v), "off"),
+        ("num_experts", lambda v: v not in (None, 0, 1), "unset"),
+        ("qk_layernorm", lambda v: bool(v), "off"),
+        ("transformer_impl", lambda v: v not in (None, "local", "transformer_engine"), "local"),
+    ]
+    for key, bad, want in refusals:
+        if key in args and bad(args[key]):
+            raise CheckpointFormatError(f"{where}: --{key.replace('_', '-')} {args[key]} is not supported "
+                                        f"(our models need {want})")

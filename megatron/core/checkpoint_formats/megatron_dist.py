@@ -21,8 +21,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron.core.checkpoint_formats.common import LoadedCheckpoint, read_tracker
-from megatron.core.checkpoint_formats.layout import GPT, ModelFamily
-from megatron.core.checkpoint_formats.megatron_lm import check_supported_args
+from megatron.core.checkpoint_formats.layout import GPT, ModelFamily, check_supported_args
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
 
 _DCP_CLASSES = {

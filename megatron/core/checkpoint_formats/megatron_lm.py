@@ -23,28 +23,10 @@ from megatron.core.checkpoint_formats import optimizer_state as optim
 from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
                                                      rank_dir, rank_files, read_tracker,
                                                      to_family_order, write_tracker)
-from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily
+from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily, check_supported_args
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
 
 CHECKPOINT_VERSION = 3.0
-
-
-def check_supported_args(args: Dict[str, Any], where: str) -> None:
-    """Refuse, by flag, the architectures whose weights our models cannot hold."""
-    refusals = [
-        ("position_embedding_type", lambda v: v not in (None, "learned_absolute"), "learned_absolute"),
-        ("normalization", lambda v: v not in (None, "LayerNorm"), "LayerNorm"),
-        ("swiglu", lambda v: bool(v), "off"),
-        ("add_bias_linear", lambda v: v is False, "on"),
-        ("group_query_attention", lambda v: bool(v), "off"),
-        ("num_experts", lambda v: v not in (None, 0, 1), "unset"),
-        ("qk_layernorm", lambda v: bool(v), "off"),
-        ("transformer_impl", lambda v: v not in (None, "local", "transformer_engine"), "local"),
-    ]
-    for key, bad, want in refusals:
-        if key in args and bad(args[key]):
-            raise CheckpointFormatError(f"{where}: --{key.replace('_', '-')} {args[key]} is not supported "
-                                        f"(our models need {want})")
 
 
 # ---- scheduler and RNG layouts --------------------------------------------------------------------------------

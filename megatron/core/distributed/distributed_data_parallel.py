@@ -3,13 +3,15 @@
 Gradient life cycle of one iteration::
 
     backward of each microbatch     param.grad --(post-accumulate-grad hook)--> param.main_grad += grad
-                                    (= for the iteration's first); param.grad = None
+                                    (= for the iteration's first); param.grad = None; or a fused backward
+                                    stores into param.main_grad itself (megatron/core/grad_record.py)
     microbatches 1..n-1 (no_sync)   nothing else
     last microbatch                 with overlap_grad_reduce: each bucket launches its async reduction as
                                     soon as all its params' hooks fired
     finish_grad_sync()              launch what was not launched, wait for everything
-    zero_grad_buffer()              zero the buffer for the next iteration (but the linear weights' ranges,
-                                    whose first gradient is written, not added: grad_buffer.py)
+    zero_grad_buffer()              mark every main grad zero for the next iteration (each first gradient is
+                                    written, not added); the buffer itself is cleared only without lazy
+                                    zeroing (grad_buffer.py)
 
 The reduction is a mean over the data-parallel group: an all-reduce, or a reduce-scatter under the
 distributed optimizer (DP rank r then holds the reduced grads of its shard; see ``grad_buffer.py``).
@@ -23,9 +25,10 @@ from typing import Dict, Iterator, List
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.comm import backend_of, group_size
+from megatron.core.collectives import backend_of, group_size
 from megatron.core.distributed.ddp_config import DDPConfig
 from megatron.core.distributed.grad_buffer import Bucket, GradBuffer
+from megatron.core.grad_record import add_grad
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -95,11 +98,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_hook(self, param: torch.nn.Parameter) -> None:
         """Move ``param.grad`` into ``param.main_grad``; under overlap, launch the bucket once it is complete."""
         if param.grad is not None:
-            if param.main_grad_is_zero:  # possibly stale (a lazily zeroed weight): write, do not add
-                param.main_grad.copy_(param.grad)
-            else:
-                param.main_grad.add_(param.grad)
-            param.main_grad_is_zero = False
+            add_grad(param, param.grad)
             param.grad = None
         if self.config.overlap_grad_reduce and self._sync_enabled:
             buf = self.param_to_buffer[param]
@@ -111,7 +110,7 @@ class DistributedDataParallel(torch.nn.Module):
                 )
             bucket.ready.add(param)
             if len(bucket.ready) == len(bucket.params):
-                buf.start_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
+                buf.start_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
 
     # ---- gradient synchronisation ---------------------------------------------------------------------
     @contextmanager
@@ -125,25 +124,24 @@ class DistributedDataParallel(torch.nn.Module):
             self._sync_enabled = previous
 
     def settle_unwritten_grads(self) -> None:
-        """Zero the lazily zeroed main grads (``grad_buffer.py``) that no backward wrote in this iteration (a
-        parameter the iteration did not use): before anything reduces or reads the buffer."""
-        unwritten = [p.main_grad for buf in self.buffers for p in buf.lazy_params if p.main_grad_is_zero]
-        if unwritten:
-            torch._foreach_zero_(unwritten)
+        """Zero the main grads that no backward wrote in this iteration (a parameter the iteration did not use;
+        with lazy zeroing they may hold stale values): before anything reduces or reads the buffer."""
+        for buf in self.buffers:
+            buf.settle_unwritten_grads()
 
     def start_grad_sync(self) -> None:
         """Launch the asynchronous DP reduction of every bucket not yet launched."""
         self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
-                buf.start_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
+                buf.start_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket not yet launched and wait for all reductions (mean over DP)."""
         self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
-                buf.finish_bucket_grad_sync(bucket, self.dp_group, self.dp_rank, self._use_avg)
+                buf.finish_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
 
     def make_full_grads(self, params) -> None:
         """Make the complete ``main_grad`` of ``params`` valid after a reduce-scatter (all-gather their buckets).
@@ -161,22 +159,21 @@ class DistributedDataParallel(torch.nn.Module):
             bucket = buf.param_to_bucket[p]
             if (id(buf), bucket.index) not in seen:
                 seen.add((id(buf), bucket.index))
-                buf.gather_bucket_grads(bucket, self.dp_group, self.dp_rank)
+                buf.gather_bucket_grads(bucket, self.dp_group)
 
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and forget per-iteration bucket state.
 
-        Each parameter is marked ``main_grad_is_zero``: the first gradient of the iteration is then written into
-        ``main_grad`` instead of added, which clears the mark; the linear layers' weights are not zeroed here at
-        all (``lazy_grad_zero``, see ``grad_buffer.py``).
+        Each parameter's record is marked zero: the first gradient of the iteration is then written into
+        ``main_grad`` instead of added, which clears the mark. With ``DDPConfig.lazy_grad_zero`` that mark is all
+        that happens here (``grad_buffer.py``); otherwise the buffer is cleared too.
         """
         for buf in self.buffers:
-            buf.zero_grads()
+            buf.zero_grads(lazy=self.config.lazy_grad_zero)
             for bucket in buf.buckets:
                 bucket.ready.clear()
         for p in self.param_to_buffer:
             p.grad = None
-            p.main_grad_is_zero = True
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to every DP rank (for runs whose replicas might start apart)."""
@@ -197,7 +194,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         for buf in self.buffers:
             for bucket in reversed(buf.buckets):  # forward order: the first layers live in the last bucket
-                buf.start_bucket_param_sync(bucket, self.dp_group, self.dp_rank)
+                buf.start_bucket_param_sync(bucket, self.dp_group)
         if overlap:
             self._install_param_gather_hooks()
         else:

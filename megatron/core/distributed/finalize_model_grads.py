@@ -7,12 +7,13 @@ from typing import List
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron.core.distributed.comm import all_reduce, group_size
+from megatron.core.collectives import all_reduce, group_size
+from megatron.core.grad_record import main_grad_of
 
 
 def _grad(p: torch.nn.Parameter):
     """The grad to reduce: ``main_grad`` under DDP, else ``.grad`` (an unwrapped module)."""
-    g = getattr(p, "main_grad", None)
+    g = main_grad_of(p)
     return g if g is not None else p.grad
 
 
@@ -21,7 +22,7 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
     if not grads or group_size(group) == 1:
         return
     flat = _flatten_dense_tensors(grads)  # [sum numel]
-    all_reduce(flat, group).wait()
+    all_reduce(flat, group)
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
 

@@ -8,12 +8,12 @@ of ``128 * dp_size`` elements and DP rank ``r`` owns the contiguous range
 ``[bucket.start + r * shard, bucket.start + (r + 1) * shard)`` of each bucket (with one bucket: a contiguous
 1/DP range of the buffer); a parameter that crosses a shard boundary is split by element range.
 
-Zeroing between iterations skips the parameters marked ``lazy_grad_zero`` (the linear layers' weights, whose
-gradient is written whole by their backward): their ranges keep the last iteration's values while the wrapper's
-``main_grad_is_zero`` mark says they count as zero, and every writer then writes instead of adding (the
-weight-gradient GEMMs, and the wrapper's hook for a ``.grad``). One still unwritten when the reduction starts
-is zeroed then (``DistributedDataParallel.settle_unwritten_grads``). The padding is zero from the start and
-nothing writes it but reductions of zeros.
+Each parameter's range is its ``main_grad``, held with its zero state in the parameter's gradient record
+(``megatron/core/grad_record.py``). With lazy zeroing (``DDPConfig.lazy_grad_zero``) the buffer is not cleared
+between iterations: the ranges keep the last iteration's values while their records say they count as zero, and
+every writer then writes instead of adding; a range still unwritten when the reduction starts is zeroed then
+(``DistributedDataParallel.settle_unwritten_grads``). The padding is zero from the start and nothing writes it
+but reductions of zeros.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.comm import Pending, all_gather_inplace, all_reduce, reduce_scatter_inplace
+from megatron.core.collectives import Pending, all_gather_in_place, all_reduce, reduce_scatter_in_place
+from megatron.core.grad_record import GradRecord, attach_main_grad
 
 _SHARD_ALIGN = 128  # elements; keeps every shard start aligned for fast collectives
 
@@ -50,7 +51,8 @@ class Bucket:
 class GradBuffer:
     """Main grads (and optionally params) of parameters of one dtype, in one flat tensor.
 
-    Each parameter gets ``param.main_grad``, a view of its range shaped like the parameter. With
+    Each parameter's gradient record gets ``main_grad``, a view of its range shaped like the parameter (also
+    ``param.main_grad``). With
     ``make_param_buffer`` the parameter data is moved into a flat buffer of the parameter dtype with the
     same layout (``param.data`` becomes a view), so the distributed optimizer can all-gather in place.
     """
@@ -82,10 +84,10 @@ class GradBuffer:
         self.param_data = None
         if make_param_buffer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)  # [numel]
+        self.records: List[GradRecord] = []
         for p in params:
             s, e = self.index[p]
-            p.main_grad = self.grad_data[s:e].view(p.shape)
-            p.main_grad_is_zero = True  # as after DistributedDataParallel.zero_grad_buffer()
+            self.records.append(attach_main_grad(p, self.grad_data[s:e].view(p.shape)))  # marked zero
             if self.param_data is not None:
                 self.param_data[s:e].copy_(p.data.reshape(-1))
                 p.data = self.param_data[s:e].view(p.shape)
@@ -94,25 +96,21 @@ class GradBuffer:
             pd = self.param_data[s:e] if self.param_data is not None else None
             self.buckets.append(Bucket(len(self.buckets), params_b, s, e, self.grad_data[s:e], pd))
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
-        self.lazy_params = [p for p in params if getattr(p, "lazy_grad_zero", False)]
-        # the ranges zero_grads() clears: runs of adjacent parameters that are not zeroed lazily
-        runs: List[List[int]] = []
-        for p in params:
-            if getattr(p, "lazy_grad_zero", False):
-                continue
-            s, e = self.index[p]
-            if runs and runs[-1][1] == s:
-                runs[-1][1] = e
-            else:
-                runs.append([s, e])
-        self._eager_zero = [self.grad_data[s:e] for s, e in runs]
 
-    def zero_grads(self) -> None:
-        """Zero every main grad but those of the ``lazy_grad_zero`` parameters (module docstring)."""
-        if not self.lazy_params:
+    def zero_grads(self, lazy: bool) -> None:
+        """Mark every main grad zero for a new iteration; unless ``lazy``, also clear the buffer (module
+        docstring)."""
+        if not lazy:
             self.grad_data.zero_()
-        elif self._eager_zero:
-            torch._foreach_zero_(self._eager_zero)
+        for record in self.records:
+            record.is_zero = True
+
+    def settle_unwritten_grads(self) -> None:
+        """Zero the main grads still marked zero (no backward wrote them in this iteration), so the buffer can be
+        reduced and read; they stay marked zero."""
+        unwritten = [record.main_grad for record in self.records if record.is_zero]
+        if unwritten:
+            torch._foreach_zero_(unwritten)
 
     def _pad(self, n: int) -> int:
         if not self.sharded:
@@ -143,7 +141,7 @@ class GradBuffer:
         return pieces
 
     # ---- gradient reduction ---------------------------------------------------------------------------
-    def start_bucket_grad_sync(self, bucket: Bucket, dp_group, dp_rank: int, use_avg: bool) -> None:
+    def start_bucket_grad_sync(self, bucket: Bucket, dp_group, use_avg: bool) -> None:
         """Launch the asynchronous mean over DP of ``bucket``'s grads (all-reduce, or reduce-scatter)."""
         if bucket.grad_handle is not None:
             return
@@ -154,25 +152,25 @@ class GradBuffer:
             else:
                 bucket.grad_data.mul_(1.0 / self.dp_size)
         if self.sharded:
-            bucket.grad_handle = reduce_scatter_inplace(bucket.grad_data, dp_rank, dp_group, op=op)
+            bucket.grad_handle = reduce_scatter_in_place(bucket.grad_data, dp_group, op=op, async_op=True)
         else:
             bucket.grad_handle = all_reduce(bucket.grad_data, dp_group, op=op, async_op=True)
 
-    def finish_bucket_grad_sync(self, bucket: Bucket, dp_group, dp_rank: int, use_avg: bool) -> None:
-        self.start_bucket_grad_sync(bucket, dp_group, dp_rank, use_avg)
+    def finish_bucket_grad_sync(self, bucket: Bucket, dp_group, use_avg: bool) -> None:
+        self.start_bucket_grad_sync(bucket, dp_group, use_avg)
         bucket.grad_handle.wait()
         bucket.grad_handle = None
         bucket.ready.clear()
 
-    def gather_bucket_grads(self, bucket: Bucket, dp_group, dp_rank: int) -> None:
+    def gather_bucket_grads(self, bucket: Bucket, dp_group) -> None:
         """After a reduce-scatter, make the whole bucket's grads valid by all-gathering the reduced shards."""
         if self.sharded and self.dp_size > 1:
-            all_gather_inplace(bucket.grad_data, dp_rank, dp_group, async_op=False).wait()
+            all_gather_in_place(bucket.grad_data, dp_group)
 
     # ---- parameter all-gather (distributed optimizer) ------------------------------------------------
-    def start_bucket_param_sync(self, bucket: Bucket, dp_group, dp_rank: int) -> None:
+    def start_bucket_param_sync(self, bucket: Bucket, dp_group) -> None:
         if bucket.param_handle is None:
-            bucket.param_handle = all_gather_inplace(bucket.param_data, dp_rank, dp_group, async_op=True)
+            bucket.param_handle = all_gather_in_place(bucket.param_data, dp_group, async_op=True)
 
     def finish_bucket_param_sync(self, bucket: Bucket) -> None:
         if bucket.param_handle is not None:

@@ -9,9 +9,14 @@ three passes of the eager PyTorch composition, and saves less for backward:
   restore generator states, reproduce the same mask).
 
 It also holds ``column_sum``, the bias gradient of a linear layer (column sums of a ``[tokens, n]`` gradient),
-in two launches: a few programs per multiprocessor, each summing many row tiles of one column block in fp32
-registers into one row of a small partial array, then one short kernel that adds those few partial rows and
-casts (on an H200 PyTorch's ``x.sum(0)`` ran at 1.0-3.4 TB/s on these shapes, of ~4.3 TB/s).
+in one launch: a few programs per multiprocessor, each summing many row tiles of one column block in fp32
+registers into one row of a small partial array; the last program of a column block to finish (an arrival
+counter per block, ``_finish_if_last``) adds that block's partial rows in a fixed order and casts. PyTorch's
+``x.sum(0)`` is further from memory bandwidth on these shapes (bench/results/kernel_sweep.md). The bias+GeLU
+backward finishes its bias gradient the same way.
+
+Switch: ``FINISH_IN_LAST_PROGRAM`` (read at every call) set to False finishes those sums in a separate launch
+of ``_colsum_finish_kernel`` instead (``sum_partial_rows``), for an A/B of the arrival counter.
 
 Import this module only when ``triton`` is importable; ``ops.py`` decides when to use it.
 """
@@ -25,14 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.fusions.main_grad import main_grad_sink, mark_added_to_main_grad, reduce_param_grad
+from megatron.core.grad_record import reduce_into_sink, sink_output, sink_result
 
 # Tiles: BLOCK_M rows x BLOCK_N columns of the tensor viewed as [M, N] (N = last dimension). Each program walks
 # ROW_TILES row tiles of one column block, so the bias is loaded once and bias-gradient partial sums stay in
 # registers; no per-element integer modulo is needed to find the bias column. One (BLOCK_M, BLOCK_N, num_warps,
-# programs per multiprocessor) per kernel; bench/kernel_sweep.py measures the alternatives on the GPU.
-# The first three are the best over both benchmark shapes (GPT 1.3B and 124M) of the sweep recorded in
-# bench/results/kernel_sweep.md; the dropout backward (only used with dropout > 0) was not swept.
+# programs per multiprocessor) per kernel, chosen by bench/kernel_sweep.py (results in
+# bench/results/kernel_sweep.md); the dropout backward (only used with dropout > 0) was not swept.
 TILE_CONFIG = {
     "gelu_fwd": (8, 256, 4, 64),
     "gelu_bwd": (16, 128, 4, 32),
@@ -41,11 +45,10 @@ TILE_CONFIG = {
 }
 
 # column_sum: BLOCK_M x BLOCK_N tiles, programs_per_sm x multiprocessors programs in all, split over the column
-# blocks; each walks its share of the row tiles. bench/kernel_sweep.py --only colsum times the alternatives
-# (--apply-colsum rewrites this line). On an H200 the best over the 124M and 1.3B bias-gradient shapes was
-# 16 x 64 tiles, 8 warps, 4 programs per multiprocessor (3.2-3.9 TB/s for [16384, 768..6144] bf16, where
-# PyTorch's x.sum(0) ran at 1.0-3.4 TB/s); 1 program per multiprocessor was 3-5x slower.
+# blocks; each walks its share of the row tiles. Several programs per multiprocessor keep enough loads in
+# flight; bench/kernel_sweep.py --only colsum times the alternatives (results in bench/results/kernel_sweep.md).
 COLSUM_CONFIG = {"block_m": 16, "block_n": 64, "num_warps": 8, "programs_per_sm": 4}
+FINISH_IN_LAST_PROGRAM = True  # False: a separate finishing launch (module docstring)
 # The finishing kernel: columns per program and partial rows per load (the partial array has at most
 # programs_per_sm x multiprocessors rows, that many only when n fits in one column block).
 _COLSUM_FINISH_BLOCK_N = 32
@@ -56,8 +59,8 @@ _COLSUM_FINISH_BLOCK_R = 64
 def _gelu_cdf_and_gauss(z):
     """(Phi(z), exp(-z^2 / 2)) for fp32 ``z``: the normal CDF from erfc(|z| / sqrt 2) ~= t P(t) exp(-z^2 / 2),
     t = 1 / (1 + p |z| / sqrt 2) (Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7). One exp and one reciprocal
-    instead of libdevice's two-branch erff, which made these kernels instruction-bound (an H200 ran the forward
-    at 2.8 TB/s against 4.0 for a copy of the same shape); Phi of negative z comes from erfc directly, without
+    instead of libdevice's two-branch erff, which made these kernels instruction-bound rather than
+    memory-bound; Phi of negative z comes from erfc directly, without
     the cancellation of 1 + erf(z / sqrt 2). The exp is shared with the backward's Gaussian density."""
     a = tl.abs(z) * 0.7071067811865476
     gauss = tl.exp(-a * a)
@@ -104,11 +107,12 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, EVEN
 
 @triton.jit
 def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, DB_OUT, COUNTER, M, N, ROW_TILES, R, HAS_BIAS: tl.constexpr,
-                          ACCUMULATE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                          ACCUMULATE: tl.constexpr, FINISH: tl.constexpr, EVEN: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """DX = DY * gelu'(X + B) with gelu'(z) = Phi(z) + z * phi(z); DB_PART[program row] = column sums of DX, and
     the last of a column block's R programs writes their total to DB_OUT (``_finish_if_last``; ACCUMULATE: added
-    to the fp32 DB_OUT). EVEN as in the forward kernel (unmasked, it ran 7% faster on an H200)."""
+    to the fp32 DB_OUT; FINISH False: the caller finishes with ``sum_partial_rows``). EVEN as in the forward
+    kernel (unmasked loads and stores)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_BIAS:
@@ -138,23 +142,24 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, DB_OUT, COUNTER, M, N, ROW_TILE
             acc += dx
     if HAS_BIAS:
         tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
-        _finish_if_last(DB_PART, DB_OUT, COUNTER, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N)
+        if FINISH:
+            _finish_if_last(DB_PART, DB_OUT, COUNTER, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N)
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _launch(kernel_name: str, m: int, n: int, device: torch.device):
     """(grid, row tiles per program, launch meta-parameters) for one of the tiled kernels: many programs per
-    multiprocessor (enough loads in flight to run at memory bandwidth; on an H200, 4 per multiprocessor ran at
-    a third of it), each program a column block x a short run of row tiles whose bias-gradient partial sums it
+    multiprocessor (enough loads in flight to run at memory bandwidth; a few per multiprocessor do not), each
+    program a column block x a short run of row tiles whose bias-gradient partial sums it
     writes once."""
     block_m, block_n, num_warps, per_sm = TILE_CONFIG[kernel_name]
     col_blocks = triton.cdiv(n, block_n)
     row_tiles_total = triton.cdiv(m, block_m)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     row_groups = max(1, min(row_tiles_total, triton.cdiv(per_sm * sms, col_blocks)))
     per_program = triton.cdiv(row_tiles_total, row_groups)
@@ -230,7 +235,7 @@ def _finish_if_last(PART, OUT, COUNTER, R, N, cols, cmask, ACCUMULATE: tl.conste
     """Called by every program of column block program_id(0) after it stored its partial row of PART [R, N]: the
     last of the block's R programs to arrive adds up the R rows in a fixed order (deterministic, as
     ``_colsum_finish_kernel``), into OUT[cols] (ACCUMULATE: added to the fp32 OUT) and re-arms the block's
-    counter: one launch less than finishing in ``sum_partial_rows``.
+    counter: one launch less than finishing with ``sum_partial_rows``.
 
     Triton runs a scalar atomic in one thread after a barrier of the program, so its release orders every
     thread's partial-row stores before the count, and its acquire orders the last program's loads after it
@@ -261,31 +266,13 @@ def _block_counters(device: torch.device, blocks: int) -> torch.Tensor:
     return counters
 
 
-def param_grad_target(param: Optional[torch.Tensor], n: int, dtype: torch.dtype, device: torch.device):
-    """(out, accumulate) for a kernel that finishes a parameter's gradient itself: ``param``'s ``main_grad``
-    sink (added to) when it takes one (``main_grad.py``), else a new [n] tensor of ``dtype``."""
-    sink = main_grad_sink(param)
-    if sink is not None:
-        _check_accumulator(sink, n, device)
-        return sink, True
-    return torch.empty(n, dtype=dtype, device=device), False
-
-
-def param_grad_result(param: Optional[torch.Tensor], out: torch.Tensor, accumulate: bool) -> Optional[torch.Tensor]:
-    """What the backward returns for ``param`` after ``param_grad_target``: None when it went into main_grad."""
-    if accumulate:
-        mark_added_to_main_grad(param)
-        return None
-    return out
-
-
 def _colsum_launch(m: int, n: int, device: torch.device):
     """(column blocks, row groups, row tiles per program) of ``_colsum_partial_kernel`` for an [m, n] tensor:
     about programs_per_sm x multiprocessors programs, each with an equal run of row tiles."""
     cfg = COLSUM_CONFIG
     col_blocks = triton.cdiv(n, cfg["block_n"])
     row_tiles = triton.cdiv(m, cfg["block_m"])
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     programs = max(1, int(cfg["programs_per_sm"] * sms))
     row_groups = max(1, min(row_tiles, triton.cdiv(programs, col_blocks)))
@@ -293,74 +280,79 @@ def _colsum_launch(m: int, n: int, device: torch.device):
     return col_blocks, triton.cdiv(row_tiles, per_program), per_program
 
 
-def _check_accumulator(acc: Optional[torch.Tensor], n: int, device: torch.device) -> None:
-    if acc is not None and (acc.dtype != torch.float32 or acc.shape != (n,) or not acc.is_contiguous()
-                            or acc.device != device):
-        raise ValueError(f"accumulate_into must be a contiguous fp32 [{n}] tensor on {device}, got "
-                         f"{acc.dtype} {tuple(acc.shape)} on {acc.device}")
+def _check_out(out: Optional[torch.Tensor], n: int, device: torch.device, accumulate: bool) -> None:
+    """An ``out`` given to a column sum: a contiguous ``[n]`` tensor on ``device``, fp32 when added to."""
+    if out is not None and (out.shape != (n,) or not out.is_contiguous() or out.device != device
+                            or (accumulate and out.dtype != torch.float32)):
+        raise ValueError(f"out must be a contiguous [{n}] tensor on {device} (fp32 to accumulate into), got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
-def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype,
-                     accumulate_into: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+                     accumulate: bool = False) -> torch.Tensor:
     """``part.sum(0)`` cast to ``out_dtype`` for a contiguous fp32 ``[rows, n]`` array of per-program partial
     sums (the bias-gradient and LayerNorm weight-gradient partials of the backward kernels): one launch of the
-    finishing kernel instead of PyTorch's reduction and a cast. With ``accumulate_into`` (a contiguous fp32
-    ``[n]`` tensor, e.g. a parameter's ``main_grad``) the sums are added to it instead and None is returned."""
+    finishing kernel instead of PyTorch's reduction and a cast. With ``out`` (e.g. a parameter's ``main_grad``)
+    the sums are stored into it, added to its fp32 values with ``accumulate``; returns the output."""
     rows, n = part.shape
-    _check_accumulator(accumulate_into, n, part.device)
-    out = torch.empty(n, dtype=out_dtype, device=part.device) if accumulate_into is None else accumulate_into
+    _check_out(out, n, part.device, accumulate)
+    out = torch.empty(n, dtype=out_dtype, device=part.device) if out is None else out
     if n:
         _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N), 1)](
-            part, out, part, out, rows, n, ACCUMULATE=accumulate_into is not None, ACCUMULATE2=False,
+            part, out, part, out, rows, n, ACCUMULATE=accumulate, ACCUMULATE2=False,
             BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
-    return out if accumulate_into is None else None
+    return out
 
 
 def sum_partial_rows_pair(part: torch.Tensor, out: torch.Tensor, accumulate: bool, part2: torch.Tensor,
                           out2: torch.Tensor, accumulate2: bool) -> None:
     """``out = part.sum(0)`` and ``out2 = part2.sum(0)`` (added to them with ``accumulate`` / ``accumulate2``,
     fp32 outputs only then) for two contiguous fp32 ``[rows, n]`` partial arrays of one shape, in one launch;
-    ``out`` / ``out2`` come from ``param_grad_target``."""
+    ``out`` / ``out2`` come from ``grad_record.sink_output``."""
     rows, n = part.shape
     if part2.shape != part.shape:
         raise ValueError(f"sum_partial_rows_pair: shapes {tuple(part.shape)} and {tuple(part2.shape)} differ")
-    for o, acc in ((out, accumulate), (out2, accumulate2)):
-        if acc:
-            _check_accumulator(o, n, part.device)
+    _check_out(out, n, part.device, accumulate)
+    _check_out(out2, n, part.device, accumulate2)
     if n:
         _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N), 2)](
             part, out, part2, out2, rows, n, ACCUMULATE=accumulate, ACCUMULATE2=accumulate2,
             BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
 
 
-def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype,
-               accumulate_into: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+               accumulate: bool = False) -> torch.Tensor:
     """Sums of the [m, n] tensor ``x2d`` over its rows (``x2d.sum(0)``), accumulated in fp32 and returned as an
-    [n] tensor of ``out_dtype``; m == 0 gives zeros. Deterministic (no atomics): the row groups' fp32 partial
-    sums go to a [row groups, n] array that a second kernel adds up, or, with one row group, straight to the
-    output. With ``accumulate_into`` (a contiguous fp32 ``[n]`` tensor) the sums are added to it instead and
-    None is returned."""
+    [n] tensor of ``out_dtype``; m == 0 gives zeros. Deterministic (no atomics): each row group's fp32 partial
+    sums go to one row of a [row groups, n] array, and the last program of each column block to finish adds
+    those rows up in a fixed order (``_finish_if_last``); with one row group the sums go straight to the
+    output. With ``out`` (a contiguous ``[n]`` tensor, e.g. a parameter's ``main_grad``) the sums are stored
+    into it, added to its fp32 values with ``accumulate``; returns the output."""
     if x2d.dim() != 2:
         raise ValueError(f"column_sum expects a 2-D tensor, got shape {tuple(x2d.shape)}")
     m, n = x2d.shape
-    _check_accumulator(accumulate_into, n, x2d.device)
-    acc = accumulate_into is not None
-    out = accumulate_into if acc else torch.empty(n, dtype=out_dtype, device=x2d.device)
+    _check_out(out, n, x2d.device, accumulate)
+    out = torch.empty(n, dtype=out_dtype, device=x2d.device) if out is None else out
     if n == 0 or m == 0:
-        return None if acc else out.zero_()
+        return out if accumulate else out.zero_()
     x2d = x2d.contiguous()
     col_blocks, row_groups, per_program = _colsum_launch(m, n, x2d.device)
     meta = dict(BLOCK_M=COLSUM_CONFIG["block_m"], BLOCK_N=COLSUM_CONFIG["block_n"],
                 num_warps=COLSUM_CONFIG["num_warps"])
     if row_groups == 1:
-        _colsum_partial_kernel[(col_blocks, 1)](x2d, out, out, out, m, n, per_program, 1, ACCUMULATE=acc,
+        _colsum_partial_kernel[(col_blocks, 1)](x2d, out, out, out, m, n, per_program, 1, ACCUMULATE=accumulate,
                                                 FINISH=False, BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
-        return None if acc else out
+        return out
     part = torch.empty((row_groups, n), dtype=torch.float32, device=x2d.device)
+    if not FINISH_IN_LAST_PROGRAM:
+        _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, part, part, m, n, per_program, row_groups,
+                                                         ACCUMULATE=False, FINISH=False,
+                                                         BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
+        return sum_partial_rows(part, out_dtype, out, accumulate)
     _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, out, _block_counters(x2d.device, col_blocks), m, n,
-                                                     per_program, row_groups, ACCUMULATE=acc, FINISH=True,
+                                                     per_program, row_groups, ACCUMULATE=accumulate, FINISH=True,
                                                      BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
-    return None if acc else out
+    return out
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -393,8 +385,8 @@ class BiasGeLUFunction(torch.autograd.Function):
 def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
                        bias_param: Optional[torch.Tensor] = None):
     """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dy``, in one Triton pass. ``bias_param``: the
-    bias Parameter, whose gradient goes into its ``main_grad`` when it takes part in gradient-accumulation
-    fusion (``main_grad.py``; dbias is then None)."""
+    bias Parameter, whose gradient goes into its ``main_grad`` when its layer declared it a gradient sink
+    (``megatron/core/grad_record.py``; dbias is then None)."""
     x = x.contiguous()
     dy = dy.contiguous()
     dx = torch.empty_like(x)
@@ -403,18 +395,21 @@ def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.T
     dbias = None
     if m and n:
         grid, tiles, meta = _launch("gelu_bwd", m, n, x.device)
+        finish = FINISH_IN_LAST_PROGRAM
         if bias is not None:
             part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device)
-            out, acc = param_grad_target(bias_param, n, bias.dtype, x.device)
-            counters = _block_counters(x.device, grid[0])
+            out, acc = sink_output(bias_param, n, bias.dtype, x.device)
+            counters = _block_counters(x.device, grid[0]) if finish else part
         else:
             part = out = counters = x
             acc = False
         _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, out, counters, m, n, tiles,
-                                    grid[1], HAS_BIAS=bias is not None, ACCUMULATE=acc,
+                                    grid[1], HAS_BIAS=bias is not None, ACCUMULATE=acc, FINISH=finish,
                                     EVEN=_even(grid, tiles, meta, m, n), BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
         if bias is not None:
-            dbias = param_grad_result(bias_param, out, acc)
+            if not finish:
+                sum_partial_rows(part, bias.dtype, out, acc)
+            dbias = sink_result(bias_param, out)
     elif bias is not None:
         dbias = torch.zeros_like(bias)
     return dx, dbias
@@ -518,18 +513,19 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         dbias = None
         if not write_dx:
             # no dropout and no cast: dx is dout itself and the bias gradient a plain column sum, by column_sum
-            # (PyTorch's dout.sum(0) ran at ~1.3 TB/s on an H200, the dropout kernel with WRITE_DX=False and its
-            # large partial array at 0.7 TB/s)
+            # (closer to memory bandwidth than PyTorch's dout.sum(0), and than the dropout kernel with
+            # WRITE_DX=False, whose partial array is large)
             if has_bias:
-                dbias = reduce_param_grad(ctx.bias_param,
-                                          lambda acc: column_sum(dout.reshape(m, n), ctx.bias_dtype, acc))
+                dbias = reduce_into_sink(ctx.bias_param, lambda out, acc: column_sum(dout.reshape(m, n),
+                                                                                     ctx.bias_dtype, out, acc))
         elif m and n:
             grid, tiles, meta = _launch("dropout_bwd", m, n, dout.device)
             part = torch.empty((grid[1], n), dtype=torch.float32, device=dout.device) if has_bias else dout
             _dropout_bwd_kernel[grid](dout, dz, part, seed if seed is not None else dout, m, n, tiles, ctx.prob,
                                       ctx.scale, DROPOUT=ctx.dropout, WRITE_DX=write_dx, HAS_BIAS=has_bias, **meta)
             if has_bias:
-                dbias = reduce_param_grad(ctx.bias_param, lambda acc: sum_partial_rows(part, ctx.bias_dtype, acc))
+                dbias = reduce_into_sink(ctx.bias_param,
+                                         lambda out, acc: sum_partial_rows(part, ctx.bias_dtype, out, acc))
         elif has_bias:
             dbias = torch.zeros(n, dtype=ctx.bias_dtype, device=dout.device)
         dres = dout if dout.dtype == ctx.r_dtype else dout.to(ctx.r_dtype)

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.fusions._triton_elementwise import _sm_count, gelu_f32
+from megatron.core.fusions._triton_elementwise import sm_count, gelu_f32
 
-# Launch configurations; bench/kernel_sweep.py --only fp8 times the alternatives (--apply-fp8 rewrites these lines).
+# Launch configurations; bench/kernel_sweep.py --only fp8 times the alternatives.
 AMAX_CONFIG = {"block": 4096, "programs_per_sm": 4, "num_warps": 8}
 CAST_CONFIG = {"block_m": 64, "block_n": 128, "num_warps": 8}
 
@@ -123,7 +123,7 @@ def _amax_parts(x: torch.Tensor, gelu: bool, bias) -> torch.Tensor:
     numel, cfg = x.numel(), AMAX_CONFIG
     blocks = triton.cdiv(numel, cfg["block"])
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    nprog = max(1, min(blocks, cfg["programs_per_sm"] * _sm_count(index)))
+    nprog = max(1, min(blocks, cfg["programs_per_sm"] * sm_count(index)))
     iters = triton.cdiv(blocks, nprog)
     nprog = triton.cdiv(blocks, iters) if blocks else 1
     part = torch.empty(nprog, device=x.device, dtype=torch.float32)

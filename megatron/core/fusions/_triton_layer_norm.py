@@ -2,19 +2,21 @@
 
 Both kernels work on 2D tiles of ``BLOCK_M`` whole rows (``BLOCK_N`` >= the row length), so a program has
 several rows' loads in flight and reduces them together; one row per step was latency-bound on narrow rows
-(h = 768 ran at a fifth of memory bandwidth).
+(far below memory bandwidth at h = 768).
 
 Forward: mean and variance in fp32 from a single load of each row; saves the input, the per-row mean and 1/std
 (8 bytes a row), never the normalised output.
 Backward: each program walks a contiguous run of row tiles, writes dx and accumulates dgamma/dbeta partial sums
-in fp32 registers; the partials ([programs, h]) are summed by one reduction at the end.
+in fp32 registers; the partials ([programs, h]) of both parameters are summed by one launch of the finishing
+kernel (``sum_partial_rows_pair``), into the parameters' ``main_grad`` when they are gradient sinks
+(``megatron/core/grad_record.py``).
 
 With ``zero_centered_gamma`` the stored weight is ``gamma - 1`` and the kernel adds the 1 itself (the gradient
 with respect to the stored weight equals the gradient with respect to gamma).
 
-``LN_CONFIG`` holds the launch choices; ``bench/kernel_sweep.py --apply-layer-norm`` measures alternatives against
-PyTorch's own LayerNorm on the GPU and writes the winner here, with ``min_width``: the narrowest swept row
-length at which this kernel beat PyTorch's (``ops.layer_norm`` uses PyTorch's kernel for narrower rows).
+``LN_CONFIG`` holds the launch choices, chosen with ``bench/kernel_sweep.py`` (which measures alternatives against
+PyTorch's own LayerNorm on the GPU), and ``min_width``: the narrowest swept row length at which this kernel beat
+PyTorch's (``ops.layer_norm`` uses PyTorch's kernel for narrower rows).
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.core.fusions._triton_elementwise import (_sm_count, param_grad_result, param_grad_target,
-                                                       sum_partial_rows, sum_partial_rows_pair)
-from megatron.core.fusions.main_grad import reduce_param_grad
+from megatron.core.fusions._triton_elementwise import sm_count, sum_partial_rows, sum_partial_rows_pair
+from megatron.core.grad_record import reduce_into_sink, sink_output, sink_result
 
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
 
@@ -135,7 +136,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.has_bias, ctx.zero_centered = bias is not None, bool(zero_centered_gamma)
         ctx.block_n, ctx.shape = block_n, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.params = (weight, bias)  # gradient-accumulation fusion (main_grad.py) looks at the Parameters
+        ctx.params = (weight, bias)  # the Parameters: their gradient may go to a sink (grad_record.py)
         return (y.view(x.shape), x.view_as(x)) if residual_out else y.view(x.shape)
 
     @staticmethod
@@ -147,7 +148,7 @@ class LayerNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x2)
         tile_elems, warps, per_sm = LN_CONFIG["bwd"]
         block_m = _block_m(tile_elems, ctx.block_n)
-        sms = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
+        sms = sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
             if x2.is_cuda else 4
         row_tiles = triton.cdiv(m, block_m)
         programs = max(1, min(row_tiles, per_sm * sms))
@@ -161,11 +162,11 @@ class LayerNormFunction(torch.autograd.Function):
                                     num_warps=warps)
         w_param, b_param = ctx.params
         if ctx.has_bias:  # gamma's and beta's gradients finished in one launch
-            dw_out, dw_acc = param_grad_target(w_param, n, weight.dtype, x2.device)
-            db_out, db_acc = param_grad_target(b_param, n, ctx.bias_dtype, x2.device)
+            dw_out, dw_acc = sink_output(w_param, n, weight.dtype, x2.device)
+            db_out, db_acc = sink_output(b_param, n, ctx.bias_dtype, x2.device)
             sum_partial_rows_pair(dw_part, dw_out, dw_acc, db_part, db_out, db_acc)
-            dw, db = param_grad_result(w_param, dw_out, dw_acc), param_grad_result(b_param, db_out, db_acc)
+            dw, db = sink_result(w_param, dw_out), sink_result(b_param, db_out)
         else:
-            dw = reduce_param_grad(w_param, lambda acc: sum_partial_rows(dw_part, weight.dtype, acc))
+            dw = reduce_into_sink(w_param, lambda out, acc: sum_partial_rows(dw_part, weight.dtype, out, acc))
             db = None
         return dx.view(ctx.shape), dw, db, None, None, None

@@ -14,9 +14,9 @@ Per linear ``y = x W^T + b`` (``x [M, K]``, ``W [N, K]``):
 - forward (fprop): ``y = (q(x) q(W)^T) / (s_x s_W) + b`` in the activation dtype, with fast accumulation;
 - backward: ``dx = q(dy) q(W)`` (dgrad) and ``dW = q(dy)^T q(x)`` (wgrad), both with full-precision (split)
   accumulation, ``dW`` in fp32. With an fp32 ``weight.main_grad`` (the data-parallel wrapper's buffer) ``dW`` goes
-  there and the weight gets no ``.grad`` (``grad_added_to_main_grad``, as with gradient-accumulation fusion):
-  the GEMM writes it directly on the first microbatch after the wrapper zeroed the buffer
-  (``main_grad_is_zero``), later microbatches add to it. Without one, ``dW`` is returned in the weight's dtype.
+  there and the weight gets no ``.grad`` (as with gradient-accumulation fusion): the GEMM writes it directly while
+  the slice is marked zero (the first microbatch, ``megatron/core/grad_record.py``), later microbatches add to
+  it. Without one, ``dW`` is returned in the weight's dtype.
 
 ``_scaled_mm`` wants its first operand row-major and its second column-major, so the cast kernel writes a
 transposed FP8 copy from the same tile where a backward GEMM needs one: saved for backward are ``q(x)^T`` (one
@@ -48,8 +48,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.core.fusions.main_grad import mark_added_to_main_grad
 from megatron.core.fusions.ops import bias_gelu_reference, bias_grad
+from megatron.core.grad_record import fused_target, store_grad
 
 try:
     from megatron.core.fusions._triton_fp8 import quantize as _triton_quantize
@@ -78,8 +78,9 @@ def scales(x: torch.Tensor, dtype: torch.dtype, margin: int) -> Tuple[torch.Tens
     """(scale, 1/scale) as one-element fp32 tensors: ``fp8_max / amax(|x|) / 2**margin``.
 
     amax 0 gives scale 1; a non-finite amax gives NaN (so the overflow reaches the non-finite-gradient check).
-    Everything stays on the device: no host synchronisation (CUDA-graph safe). On CUDA two small Triton
-    kernels (per-program maxima, then the scale); elsewhere PyTorch ops.
+    Everything stays on the device: no host synchronisation (CUDA-graph safe). On CUDA the amax kernel and a
+    one-program scale kernel (``quantize`` does not call this: its cast kernel computes the scale itself);
+    elsewhere PyTorch ops.
     """
     if HAVE_TRITON and x.is_cuda and x.is_contiguous():
         return _triton_scales(x, dtype, margin)
@@ -284,8 +285,8 @@ def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool,
     """(dx [M, K] or None, dW [N, K] fp32 or None) for the upstream gradient ``dy2 [M, N]``.
 
     With ``accumulate_into`` (a weight with an fp32 ``main_grad``) the weight gradient goes into that buffer and
-    None is returned for it: written by the GEMM itself when the data-parallel wrapper marked the buffer as
-    freshly zeroed (``main_grad_is_zero``, the first microbatch of an iteration), else added to it.
+    None is returned for it: written by the GEMM itself while the slice is marked zero (the first microbatch of
+    an iteration, ``grad_record.store_grad``), else added to it.
     """
     xqt, x_inv, wqt, w_inv = saved
     dyq, dyqt, dy_inv = quantize(dy2, grad_dtype(fp8_format), margin, transpose=need_dw,
@@ -293,14 +294,16 @@ def bprop(dy2: torch.Tensor, saved, fp8_format: str, margin: int, need_dx: bool,
     dx = _mm(dyq, wqt.t(), dy_inv, w_inv, dy2.dtype) if need_dx else None
     if not need_dw:
         return dx, None
-    main_grad = getattr(accumulate_into, "main_grad", None)
-    if main_grad is None or main_grad.dtype != torch.float32:
+    if accumulate_into is None or fused_target(accumulate_into) is None:
         return dx, _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32)
-    if getattr(accumulate_into, "main_grad_is_zero", False):
-        _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32, out=main_grad)  # no read-add-write pass over fp32
-    else:
-        main_grad.add_(_mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32))
-    mark_added_to_main_grad(accumulate_into)
+
+    def store(main_grad: torch.Tensor, accumulate: bool) -> None:
+        if accumulate:
+            main_grad.add_(_mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32))
+        else:
+            _mm(dyqt, xqt.t(), dy_inv, x_inv, torch.float32, out=main_grad)  # no read-add-write pass over fp32
+
+    store_grad(accumulate_into, store)
     return dx, None
 
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions import fp8, ops
-from megatron.core.fusions.linear import _accumulate_wgrad
+from megatron.core.fusions.linear import accumulate_wgrad
+from megatron.core.grad_record import fused_target
 
 
 def _gelu_forward(x: torch.Tensor, bias: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
@@ -30,7 +31,7 @@ def _gelu_forward(x: torch.Tensor, bias: Optional[torch.Tensor], fused: bool) ->
 def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tensor, fused: bool,
                    bias_param: Optional[torch.Tensor] = None):
     """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dg``; fused, the bias gradient may go into
-    ``bias_param.main_grad`` (``main_grad.py``; dbias is then None)."""
+    ``bias_param.main_grad`` (a gradient sink, ``megatron/core/grad_record.py``; dbias is then None)."""
     if fused:
         return ops.bias_gelu_backward(dg, x, bias, bias_param)
     xd = x.detach().requires_grad_()
@@ -91,10 +92,9 @@ class BiasGeLULinearFunction(torch.autograd.Function):
         else:
             g = _gelu_forward(x, bias, ctx.fused)  # recomputed [s, b, ffn]
             g2 = g.reshape(-1, g.shape[-1])
-            main_grad = getattr(ctx.weight, "main_grad", None)
-            if ctx.accumulate_into_main_grad and main_grad is not None:
+            if ctx.accumulate_into_main_grad:
                 # gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 buffer itself
-                _accumulate_wgrad(ctx.weight, d2, g2)
+                accumulate_wgrad(ctx.weight, d2, g2)
                 dweight = None
             else:
                 dweight = d2.t().matmul(g2).to(weight.dtype)  # [h, ffn]
@@ -119,7 +119,7 @@ def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torc
     recomputing it (1 byte per element instead of the 2 a bf16 GeLU output would take). ``fp8_sites``: the
     second GEMM's delayed-scaling sites (``fp8.new_sites``), or None for tensorwise current scaling.
     """
-    fused = ops._fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:])
+    fused = ops.fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:])
     if fp8_format is not None:
         fp8.grad_dtype(fp8_format)  # validates the format
         if torch.compiler.is_compiling():
@@ -130,6 +130,5 @@ def bias_gelu_linear(x: torch.Tensor, bias: Optional[torch.Tensor], weight: torc
         raise ValueError("bias_gelu_linear without recomputation is only for FP8 (use bias_gelu + a linear)")
     if torch.compiler.is_compiling():
         return F.linear(ops.bias_gelu_reference(x, bias), weight)
-    accumulate = (gradient_accumulation_fusion and x.is_cuda
-                  and getattr(getattr(weight, "main_grad", None), "dtype", None) == torch.float32)
+    accumulate = gradient_accumulation_fusion and x.is_cuda and fused_target(weight) is not None
     return BiasGeLULinearFunction.apply(x, bias, weight, fused, accumulate, None, 0, True, None)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions.main_grad import reduce_param_grad
+from megatron.core.grad_record import reduce_into_sink
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
     from megatron.core.fusions._triton_elementwise import (BiasDropoutAddFunction, BiasGeLUFunction,
@@ -114,7 +114,7 @@ def scaled_masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], sc
     return scaled_masked_softmax_reference(scores, mask, scale)
 
 
-def _fusable(x: torch.Tensor, use_fused: bool) -> bool:
+def fusable(x: torch.Tensor, use_fused: bool) -> bool:
     """True when the fused Triton path applies: asked for, CUDA tensor, Triton present, not being traced."""
     return use_fused and HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()
 
@@ -122,7 +122,7 @@ def _fusable(x: torch.Tensor, use_fused: bool) -> bool:
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], use_fused: bool = True) -> torch.Tensor:
     """gelu(x + bias) (the erf GeLU, not the tanh one), fused into one pass forward and one backward on CUDA (erf to
     within 1.5e-7 there, see ``_triton_elementwise.gelu_f32``)."""
-    if _fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:]):
+    if fusable(x, use_fused) and (bias is None or bias.shape == x.shape[-1:]):
         return BiasGeLUFunction.apply(x, bias)
     return bias_gelu_reference(x, bias)
 
@@ -134,7 +134,7 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
     The fused path draws its Philox seed from the current CUDA generator, so forked RNG states (tensor-parallel
     regions) and recomputation reproduce the mask; the mask itself differs from ``F.dropout``'s.
     """
-    if (_fusable(x, use_fused) and residual.shape == x.shape
+    if (fusable(x, use_fused) and residual.shape == x.shape
             and (bias is None or bias.shape == x.shape[-1:])):
         return BiasDropoutAddFunction.apply(x, bias, residual, float(prob), bool(training))
     return bias_dropout_add_reference(x, bias, residual, prob, training)
@@ -143,7 +143,7 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                zero_centered_gamma: bool = False, use_fused: bool = True) -> torch.Tensor:
     """LayerNorm over the last dimension (optionally zero-centred gamma), one Triton pass each way on CUDA."""
-    if _fusable(x, use_fused) and triton_layer_norm_supported(x):
+    if fusable(x, use_fused) and triton_layer_norm_supported(x):
         return LayerNormFunction.apply(x, weight, bias, eps, zero_centered_gamma)
     return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma)
 
@@ -153,7 +153,7 @@ def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: Option
     """``(layer_norm(x, ...), x)`` for a pre-LN layer whose residual branch starts at ``x``: fused, the residual
     gradient is added to the LayerNorm input gradient inside the backward kernel (``LayerNormFunction``);
     otherwise autograd adds the two gradients of ``x``."""
-    if _fusable(x, use_fused) and triton_layer_norm_supported(x):
+    if fusable(x, use_fused) and triton_layer_norm_supported(x):
         return LayerNormFunction.apply(x, weight, bias, eps, zero_centered_gamma, True)
     return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma), x
 
@@ -163,19 +163,19 @@ def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
     """The bias gradient of ``y = x W^T + b`` for the output gradient ``dy [..., n]``: the column sums of ``dy``
     viewed as ``[-1, n]``, accumulated in fp32 and returned in ``out_dtype`` (default ``dy.dtype``).
 
-    On CUDA with Triton (and not while ``torch.compile`` traces) a two-kernel Triton column sum that runs near
-    memory bandwidth (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``. When the bias
-    Parameter ``bias_param`` takes part in gradient-accumulation fusion (``main_grad.py``) the fp32 sums are
-    added to its ``main_grad`` instead and None is returned.
+    On CUDA with Triton (and not while ``torch.compile`` traces) the one-launch Triton column sum
+    (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``. When the bias Parameter
+    ``bias_param`` is a gradient sink (``megatron/core/grad_record.py``) the fp32 sums go into its ``main_grad``
+    instead and None is returned.
     """
     out_dtype = dy.dtype if out_dtype is None else out_dtype
     if HAVE_TRITON and dy.is_cuda and not torch.compiler.is_compiling():
-        return reduce_param_grad(bias_param, lambda acc: column_sum(_as_rows(dy), out_dtype, acc))
+        return reduce_into_sink(bias_param, lambda out, acc: column_sum(_as_rows(dy), out_dtype, out, acc))
 
-    def reference(acc):
-        if acc is None:
+    def reference(out, accumulate):
+        if out is None:
             return bias_grad_reference(dy, out_dtype)
-        acc.add_(bias_grad_reference(dy, torch.float32))
-        return None
+        sums = bias_grad_reference(dy, torch.float32)
+        return out.add_(sums) if accumulate else out.copy_(sums)
 
-    return reduce_param_grad(bias_param, reference)
+    return reduce_into_sink(bias_param, reference)

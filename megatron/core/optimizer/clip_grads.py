@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional
 
 import torch
 
-from megatron.core.distributed.comm import all_reduce, group_size
+from megatron.core.collectives import all_reduce, group_size
 
 
 def param_counts_for_norm(param: torch.nn.Parameter, pstate) -> bool:
@@ -57,7 +57,7 @@ def global_grad_norm(grads_for_norm: List[torch.Tensor], groups: Iterable, devic
     total = squared_norm(grads_for_norm, device)
     for group in groups:
         if group is not None and group_size(group) > 1:
-            all_reduce(total, group).wait()
+            all_reduce(total, group)
     value = float(total.item())
     return math.sqrt(value) if math.isfinite(value) else value
 
@@ -67,7 +67,7 @@ def global_grad_norm_tensor(grads_for_norm: List[torch.Tensor], groups: Iterable
     total = squared_norm(grads_for_norm, device)
     for group in groups:
         if group is not None and group_size(group) > 1:
-            all_reduce(total, group).wait()
+            all_reduce(total, group)
     return total.sqrt()
 
 
@@ -95,5 +95,5 @@ def found_inf_in(grads: List[torch.Tensor], inv_scale: Optional[torch.Tensor], g
             found.fill_(float(not all(torch.isfinite(g).all().item() for g in grads)))
     for group in groups:
         if group is not None and group_size(group) > 1:
-            all_reduce(found, group, op=torch.distributed.ReduceOp.MAX).wait()
+            all_reduce(found, group, op=torch.distributed.ReduceOp.MAX)
     return bool(found.item() > 0)

@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.core.distributed.comm import all_gather_inplace, all_reduce
+from megatron.core.collectives import all_gather_in_place, all_reduce
 from megatron.core.optimizer.clip_grads import param_counts_for_norm
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -130,7 +130,7 @@ class DistributedOptimizer(MegatronOptimizer):
         t = torch.tensor([value], dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
                          device=self.device)
         if self.dp_size > 1:
-            all_reduce(t, self.dp_group, op=torch.distributed.ReduceOp.MAX).wait()
+            all_reduce(t, self.dp_group, op=torch.distributed.ReduceOp.MAX)
         return float(t.item())
 
     def state_dict(self) -> dict:
@@ -156,7 +156,7 @@ class DistributedOptimizer(MegatronOptimizer):
                             value = pc.main if name == "param" else self.optimizer.state[pc.main][name]
                             flat[pc.lo - bucket.start:pc.hi - bucket.start].copy_(value.detach().reshape(-1))
                         if self.dp_size > 1:
-                            all_gather_inplace(flat, self.dp_rank, self.dp_group, async_op=False).wait()
+                            all_gather_in_place(flat, self.dp_group)
                         for p in bucket.params:
                             s, e = buf.index[p]
                             full[id(p)][name] = flat[s - bucket.start:e - bucket.start].view(p.shape).cpu().clone()

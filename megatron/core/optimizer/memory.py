@@ -6,6 +6,8 @@ from typing import Dict
 
 import torch
 
+from megatron.core.grad_record import main_grad_of
+
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -36,7 +38,7 @@ def optimizer_memory_report(optimizer, model_chunks) -> Dict[str, int]:
             seen.add(id(p))
             params += _tensor_bytes(p)
             if not isinstance(buffers, list):
-                g = getattr(p, "main_grad", None)
+                g = main_grad_of(p)
                 g = g if g is not None else p.grad
                 grads += _tensor_bytes(g) if g is not None else 0
 

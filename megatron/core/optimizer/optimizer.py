@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron.core.grad_record import main_grad_of
 from megatron.core.optimizer.clip_grads import (
     clip_grads_by_total_norm, found_inf_in, global_grad_norm, global_grad_norm_tensor, param_counts_for_norm,
 )
@@ -72,8 +73,9 @@ class MegatronOptimizer(abc.ABC):
                 chunk.zero_grad_buffer()
             else:
                 for p in chunk.parameters():
-                    if hasattr(p, "main_grad"):
-                        p.main_grad.zero_()
+                    main_grad = main_grad_of(p)
+                    if main_grad is not None:
+                        main_grad.zero_()
                     p.grad = None
         self._release_grads()
 
@@ -209,7 +211,7 @@ class MegatronOptimizer(abc.ABC):
 
 def _model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The reduced grad of ``param``: its ``main_grad`` when wrapped by DDP, else ``param.grad``."""
-    g = getattr(param, "main_grad", None)
+    g = main_grad_of(param)
     return g if g is not None else param.grad
 
 
@@ -221,7 +223,7 @@ class FP32Optimizer(MegatronOptimizer):
 
     def _copy_model_grads_to_main(self) -> None:
         for p in self._params():
-            g = getattr(p, "main_grad", None)
+            g = main_grad_of(p)
             if g is not None:
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
 
@@ -236,7 +238,7 @@ class FP32Optimizer(MegatronOptimizer):
 
     def _release_grads(self) -> None:
         for p in self._params():
-            if hasattr(p, "main_grad"):  # grads live in the DDP buffer; never leave an alias on .grad
+            if main_grad_of(p) is not None:  # grads live in the DDP buffer; never leave an alias on .grad
                 p.grad = None
 
     def state_dict(self) -> dict:
@@ -303,7 +305,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def _release_grads(self) -> None:
         for model, main in zip(self.model_params, self.main_params):
             main.grad = None
-            if hasattr(model, "main_grad"):
+            if main_grad_of(model) is not None:
                 model.grad = None
 
     def owned_main_params(self) -> List[torch.Tensor]:

@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism: communication operators, parallel layers, vocab-parallel loss, RNG, data."""
 
+from megatron.core.collectives import count_collectives
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
@@ -13,7 +14,6 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    count_collectives,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,

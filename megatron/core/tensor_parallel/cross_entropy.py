@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.mappings import all_reduce_max, all_reduce_sum, get_group_rank, get_group_size
+from megatron.core.collectives import group_rank, group_size
+from megatron.core.tensor_parallel.mappings import all_reduce_max, all_reduce_sum
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -30,7 +31,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, label_smoothing):
-        world, rank = get_group_size(group), get_group_rank(group)
+        world, rank = group_size(group), group_rank(group)
         part = logits.shape[-1]
         vocab = part * world
         # One fp32 working buffer [s, b, V/tp]; it becomes the softmax and is the only large tensor saved.

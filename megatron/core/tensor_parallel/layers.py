@@ -28,13 +28,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.collectives import all_gather_dim0, reduce_scatter_dim0
 from megatron.core.fusions.fp8 import fp8_linear, new_sites
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
-from megatron.core.fusions.ops import bias_grad
+from megatron.core.fusions.mlp import bias_gelu_linear
+from megatron.core.fusions.ops import bias_gelu, bias_grad
+from megatron.core.grad_record import declare_grad_sink
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
-    _all_gather_dim0,
-    _reduce_scatter_dim0,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -94,7 +95,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
-        total = _all_gather_dim0(x, group)  # [s, b, in]
+        total = all_gather_dim0(x, group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias, ctx.bias = group, bias is not None, bias
         return F.linear(total, weight, bias)  # [s, b, out/tp]
@@ -103,11 +104,11 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        pending_total = _all_gather_dim0(x, ctx.group, async_op=True) if need_w else None
+        pending_total = all_gather_dim0(x, ctx.group, async_op=True) if need_w else None
         grad_x = None
         if need_x:
             grad_total = grad_out.matmul(weight)  # [s, b, in], partial over TP
-            pending_grad_x = _reduce_scatter_dim0(grad_total, ctx.group, async_op=True)
+            pending_grad_x = reduce_scatter_dim0(grad_total, ctx.group, async_op=True)
         grad_w = grad_b = None
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, out/tp]
         if need_w:
@@ -189,11 +190,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = _empty((self.output_size_per_partition, input_size), config)
             set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-            self.weight.lazy_grad_zero = True  # its gradient is written whole (distributed/grad_buffer.py)
         if bias:
             self.bias = _empty((self.output_size_per_partition,), config)
             set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
-            self.bias.grad_accumulation_fusion = config.gradient_accumulation_fusion  # fusions/main_grad.py
+            declare_grad_sink(self.bias, config.gradient_accumulation_fusion)
         else:
             self.register_parameter("bias", None)
 
@@ -237,6 +237,12 @@ class RowParallelLinear(nn.Module):
     The partial products are summed with ``g`` (all-reduce) to ``[s, b, out]``, or under sequence parallelism
     reduce-scattered along dimension 0 to ``[s/tp, b, out]``. The bias is added after the reduction (or returned
     with ``skip_bias_add=True``).
+
+    ``input_bias_gelu=True`` (the MLP's second linear): ``forward(x, x_bias)`` is given the pre-activation of a
+    GeLU and computes the partial product ``gelu(x + x_bias) A_r`` before the reduction, fused where possible
+    (``fusions/mlp.py``): with ``recompute_input_gelu`` (selective recomputation) the GeLU output is not kept
+    for backward but recomputed from ``x``; under FP8 the GeLU is computed inside the quantization of the GEMM's
+    input. Otherwise the GeLU is one element-wise op (``fusions.bias_gelu``) followed by the GEMM.
     """
 
     def __init__(
@@ -249,10 +255,15 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = True,
         skip_bias_add: bool = False,
+        input_bias_gelu: bool = False,
+        recompute_input_gelu: bool = False,
     ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
+        if recompute_input_gelu and not input_bias_gelu:
+            raise ValueError("RowParallelLinear: recompute_input_gelu needs input_bias_gelu=True")
+        self.input_bias_gelu, self.recompute_input_gelu = input_bias_gelu, recompute_input_gelu
         self.input_size_per_partition = _divide(input_size, pstate.tp_size, "input size of a row-parallel linear")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.config = config
@@ -262,22 +273,24 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True")
         self.weight = _empty((output_size, self.input_size_per_partition), config)
         set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
-        self.weight.lazy_grad_zero = True  # its gradient is written whole (distributed/grad_buffer.py)
         self.fp8_sites = fp8_sites_for(config)
         if bias:
             self.bias = _empty((output_size,), config)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
             self.bias.sequence_parallel = config.sequence_parallel
-            self.bias.grad_accumulation_fusion = config.gradient_accumulation_fusion  # fusions/main_grad.py
+            declare_grad_sink(self.bias, config.gradient_accumulation_fusion)
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``."""
+    def forward(self, x: torch.Tensor, x_bias: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``; with ``input_bias_gelu`` the input is
+        ``gelu(x + x_bias)`` (``x_bias [in/tp]`` or None)."""
+        if x_bias is not None and not self.input_bias_gelu:
+            raise ValueError("RowParallelLinear: x_bias is only taken with input_bias_gelu=True")
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in/tp]
-        partial = _linear(x, self.weight, None, self.gradient_accumulation_fusion, self.config,
-                          self.fp8_sites)  # [s, b, out] partial
+        partial = self._partial_product(x, x_bias)  # [s, b, out] partial
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:
@@ -286,10 +299,23 @@ class RowParallelLinear(nn.Module):
             return out, self.bias if self.skip_bias_add else None
         return out + self.bias, None
 
+    def _partial_product(self, x: torch.Tensor, x_bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's ``x A_r`` (``gelu(x + x_bias) A_r`` with ``input_bias_gelu``), before the reduction."""
+        cfg = self.config
+        if self.input_bias_gelu:
+            recompute = self.recompute_input_gelu and self.training
+            if recompute or cfg.fp8 is not None:
+                return bias_gelu_linear(x, x_bias, self.weight, use_fused=cfg.use_fused_kernels,
+                                        gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                                        fp8_format=cfg.fp8, fp8_margin=cfg.fp8_margin, recompute=recompute,
+                                        fp8_sites=self.fp8_sites)
+            x = bias_gelu(x, x_bias, use_fused=cfg.use_fused_kernels)  # [s, b, in/tp]
+        return _linear(x, self.weight, None, self.gradient_accumulation_fusion, cfg, self.fp8_sites)
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size} (per rank {self.input_size_per_partition}), out={self.output_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, input_bias_gelu={self.input_bias_gelu}")
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -15,11 +15,9 @@ so a single process needs no ``torch.distributed`` at all.
 | ``gather_from_sequence_parallel_region``       | all-gather dim 0        | reduce-scatter dim 0 (or split) |
 | ``reduce_scatter_to_sequence_parallel_region`` | reduce-scatter dim 0    | all-gather dim 0        |
 
-All communication goes through four private helpers (``_all_reduce``, ``_all_gather_dim0``,
-``_reduce_scatter_dim0``, ``_broadcast``; the two dim-0 ones can run asynchronously) which record each call, so ``count_collectives()`` can count them by
-kind. On NCCL the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are used; on gloo (CPU), which
-lacks a portable reduce-scatter, the reduce-scatter is an all-reduce followed by taking the local chunk (the same
-result; still counted as one ``reduce_scatter``).
+All communication goes through ``megatron/core/collectives.py``, shared with data parallelism: it counts every
+call (``count_collectives()``), uses the native dimension-0 collectives on NCCL and emulates the reduce-scatter on
+gloo (an all-reduce, then the local chunk: the same result, still counted as one ``reduce_scatter``).
 
 The operators never modify their input or the incoming gradient in place: an all-reduce works on a fresh copy,
 because autograd may hand the same gradient tensor to several branches (a residual add does).
@@ -27,139 +25,32 @@ because autograd may hand the same gradient tensor to several branches (a residu
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
-from typing import Iterator, List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-# --------------------------------------------------------------------------------------------------------------
-# Communication spy
-# --------------------------------------------------------------------------------------------------------------
-_ACTIVE_COUNTERS: List[Counter] = []
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[Counter]:
-    """Count the collectives issued by this process inside the ``with`` block, by kind.
-
-    Yields a ``collections.Counter`` filled as calls happen, keyed ``"all_reduce"``, ``"all_gather"``,
-    ``"reduce_scatter"`` and ``"broadcast"`` (only kinds that occurred appear). Counts include backward passes
-    run inside the block. Collectives skipped because the group has size 1 are not counted. Nesting is allowed:
-    every open counter sees every call.
-    """
-    counter: Counter = Counter()
-    _ACTIVE_COUNTERS.append(counter)
-    try:
-        yield counter
-    finally:
-        _ACTIVE_COUNTERS.remove(counter)
-
-
-def _record(kind: str) -> None:
-    for c in _ACTIVE_COUNTERS:
-        c[kind] += 1
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Private collective helpers (the only places that talk to torch.distributed)
-# --------------------------------------------------------------------------------------------------------------
-def get_group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of ``group``; 1 when ``group`` is ``None`` or torch.distributed is not initialised."""
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
-def get_group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    """This process's rank inside ``group``; 0 for a trivial group."""
-    if get_group_size(group) == 1:
-        return 0
-    return dist.get_rank(group)
-
-
-def _native_dim0_collectives(group: dist.ProcessGroup, x: torch.Tensor) -> bool:
-    """True when ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are available: NCCL with CUDA tensors
-    (the backend string may name several backends, e.g. ``cpu:gloo,cuda:nccl``)."""
-    return x.is_cuda and "nccl" in str(dist.get_backend(group))
+from megatron.core.collectives import (all_gather_dim0, all_reduce, broadcast, group_rank, group_size,
+                                      reduce_scatter_dim0)
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Return the element-wise reduction of ``x`` over ``group`` in a new tensor (``x`` is untouched)."""
-    _record("all_reduce")
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=op, group=group)
-    return out
-
-
-class Pending:
-    """A collective issued with ``async_op=True``; ``wait()`` blocks until it is done and returns its result."""
-
-    def __init__(self, work, finish):
-        self._work, self._finish = work, finish
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-        return self._finish()
-
-
-def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """Concatenate every rank's ``x`` (same shape on all ranks) along dimension 0, in group-rank order.
-
-    With ``async_op=True`` returns a ``Pending`` whose ``wait()`` gives the result."""
-    _record("all_gather")
-    world = dist.get_world_size(group)
-    x = x.contiguous()
-    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if _native_dim0_collectives(group, x):
-        work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
-    else:
-        work = dist.all_gather(list(out.chunk(world, dim=0)), x, group=group, async_op=async_op)
-    return Pending(work, lambda: out) if async_op else out
-
-
-def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """Sum ``x`` over ``group`` and return this rank's chunk of dimension 0 (size ``x.shape[0] / world``).
-
-    With ``async_op=True`` returns a ``Pending`` whose ``wait()`` gives the result."""
-    _record("reduce_scatter")
-    world = dist.get_world_size(group)
-    _check_divisible(x.shape[0], world, "dimension 0 (sequence)")
-    x = x.contiguous()
-    if _native_dim0_collectives(group, x):
-        out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
-        return Pending(work, lambda: out) if async_op else out
-    full = x.clone()
-    work = dist.all_reduce(full, group=group, async_op=async_op)
-    rank = dist.get_rank(group)
-    finish = lambda: full.chunk(world, dim=0)[rank].contiguous()  # noqa: E731
-    return Pending(work, finish) if async_op else finish()
-
-
-def _broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
-    """Broadcast ``x`` in place from global rank ``src`` to every rank of ``group``."""
-    _record("broadcast")
-    dist.broadcast(x, src=src, group=group)
-
-
-def _check_divisible(size: int, world: int, what: str) -> None:
-    if size % world != 0:
-        raise ValueError(f"{what} of size {size} is not divisible by the tensor-parallel group size {world}")
+    """The element-wise reduction of ``x`` over ``group`` in a new tensor (``x`` is untouched)."""
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), group, op=op)
 
 
 def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """Keep this rank's contiguous chunk of ``x`` along ``dim`` (no communication)."""
-    world = dist.get_world_size(group)
-    _check_divisible(x.shape[dim], world, f"dimension {dim}")
-    return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
+    world = group_size(group)
+    if x.shape[dim] % world != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel group "
+                         f"size {world}")
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
 
 
 def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along the last dimension."""
-    stacked = _all_gather_dim0(x.unsqueeze(0), group)  # [world, *x.shape]
+    stacked = all_gather_dim0(x.unsqueeze(0), group)  # [world, *x.shape]
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -227,7 +118,7 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        return all_gather_dim0(grad, ctx.group), None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
@@ -242,12 +133,12 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     def forward(ctx, x, group, tensor_parallel_output_grad):
         ctx.group = group
         ctx.tp_output_grad = tensor_parallel_output_grad
-        return _all_gather_dim0(x, group)
+        return all_gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.tp_output_grad:
-            return _reduce_scatter_dim0(grad, ctx.group), None, None
+            return reduce_scatter_dim0(grad, ctx.group), None, None
         return _split(grad, ctx.group, 0), None, None
 
 
@@ -257,11 +148,11 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+        return reduce_scatter_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        return all_gather_dim0(grad, ctx.group), None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -269,35 +160,35 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """f: identity forward, all-reduce backward. Put before a column-parallel GEMM on a replicated input."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """g: all-reduce forward, identity backward. Sums the partial outputs of a row-parallel GEMM."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Split the last dimension, keep this rank's chunk; backward all-gathers the last dimension."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ScatterToRegion.apply(x, group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """All-gather along the last dimension; backward keeps this rank's chunk of the gradient."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _GatherFromRegion.apply(x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """``[s, ...] -> [s/tp, ...]``: keep this rank's sequence chunk; backward all-gathers dimension 0."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ScatterToSequenceRegion.apply(x, group)
 
@@ -307,7 +198,7 @@ def gather_from_sequence_parallel_region(
 ) -> torch.Tensor:
     """``[s/tp, ...] -> [s, ...]`` by all-gather; backward reduce-scatters (or, if
     ``tensor_parallel_output_grad`` is False, just splits) the gradient along dimension 0."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _GatherFromSequenceRegion.apply(x, group, tensor_parallel_output_grad)
 
@@ -316,27 +207,25 @@ def reduce_scatter_to_sequence_parallel_region(
     x: torch.Tensor, group: Optional[dist.ProcessGroup]
 ) -> torch.Tensor:
     """``[s, ...]`` partial sums ``-> [s/tp, ...]`` reduced: reduce-scatter forward, all-gather backward."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ReduceScatterToSequenceRegion.apply(x, group)
 
 
 def all_reduce_max(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Element-wise maximum over ``group`` (no autograd; used by the vocab-parallel cross-entropy)."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _all_reduce(x, group, op=dist.ReduceOp.MAX)
 
 
 def all_reduce_sum(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Element-wise sum over ``group`` into a new tensor (no autograd)."""
-    if get_group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _all_reduce(x, group)
 
 
 def broadcast_tensor(x: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Broadcast ``x`` in place from global rank ``src`` over ``group`` (no autograd); returns ``x``."""
-    if get_group_size(group) > 1:
-        _broadcast(x, src, group)
-    return x
+    return broadcast(x, src, group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -11,6 +12,15 @@ from megatron.core import tensor_parallel
 from megatron.core.parallel_state import ParallelState
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import LayerNorm, TransformerLayer
+
+
+def layer_config(config: TransformerConfig, index: int) -> TransformerConfig:
+    """The config of this stage's layer ``index``: ``config`` itself, except that a layer past the first
+    ``recompute_num_layers`` under selective recomputation recomputes nothing."""
+    if (config.recompute_granularity == "selective" and config.recompute_num_layers is not None
+            and index >= config.recompute_num_layers):
+        return dataclasses.replace(config, recompute_modules=())
+    return config
 
 
 class TransformerBlock(nn.Module):
@@ -23,7 +33,8 @@ class TransformerBlock(nn.Module):
       their activations (trade memory for time per stage).
 
     Selective recomputation with ``recompute_num_layers`` set applies to the first that many layers of the stage
-    only (an extension: Megatron-LM applies selective recomputation to every layer).
+    only (an extension: Megatron-LM applies selective recomputation to every layer): each layer is built from
+    its own config (``layer_config``), so it decides its recomputation once, at construction.
     """
 
     def __init__(
@@ -32,13 +43,8 @@ class TransformerBlock(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList([TransformerLayer(config, pstate) for _ in range(num_layers)])
+        self.layers = nn.ModuleList([TransformerLayer(layer_config(config, i), pstate) for i in range(num_layers)])
         self.final_layernorm: Optional[LayerNorm] = LayerNorm(config) if post_layer_norm else None
-        if config.recompute_granularity == "selective" and config.recompute_num_layers is not None:
-            # selective recomputation in the first N layers of this stage only (memory for time, layer by layer)
-            for layer in self.layers[config.recompute_num_layers:]:
-                layer.self_attention.recompute_core = False
-                layer.mlp.recompute_gelu = False
         self._layer_fns = [torch.compile(layer) if use_torch_compile else layer for layer in self.layers]
         if config.recompute_granularity == "full":
             n = config.recompute_num_layers or 1

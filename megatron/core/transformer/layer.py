@@ -1,4 +1,4 @@
-"""The pre-LayerNorm transformer layer, its MLP and its LayerNorm module."""
+"""The pre-LayerNorm transformer layer and its LayerNorm module (the MLP is in ``mlp.py``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import torch
 import torch.nn as nn
 
 from megatron.core import tensor_parallel
-from megatron.core.fusions import bias_dropout_add, bias_gelu, bias_gelu_linear, layer_norm, layer_norm_with_residual
+from megatron.core.fusions import bias_dropout_add, layer_norm, layer_norm_with_residual
+from megatron.core.grad_record import declare_grad_sink
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.mlp import MLP
 
 
 class LayerNorm(nn.Module):
@@ -24,8 +26,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(h, device=dev, dtype=dt))
         for p in (self.weight, self.bias):
             p.sequence_parallel = config.sequence_parallel
-            # the fused backward adds gamma/beta gradients straight into main_grad (fusions/main_grad.py)
-            p.grad_accumulation_fusion = config.gradient_accumulation_fusion
+            # the fused backward stores gamma/beta gradients straight into main_grad (grad_record.py)
+            declare_grad_sink(p, config.gradient_accumulation_fusion)
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.use_fused = config.use_fused_kernels
@@ -38,48 +40,6 @@ class LayerNorm(nn.Module):
         fused LayerNorm backward (``ops.layer_norm_with_residual``)."""
         return layer_norm_with_residual(x, self.weight, self.bias, self.eps, self.zero_centered_gamma,
                                         use_fused=self.use_fused)
-
-
-class MLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); the GeLU needs no communication.
-
-    Under ``--recompute-granularity selective`` (module ``mlp_act``) the GeLU output is not kept for backward but
-    recomputed from the first GEMM's output (which the GeLU backward keeps anyway): with flash attention the
-    attention core stores little, and the GeLU output is ``8sbh/t`` bytes per layer for one element-wise pass.
-    """
-
-    def __init__(self, config: TransformerConfig, pstate: ParallelState):
-        super().__init__()
-        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, config=config, pstate=pstate, bias=True,
-            gather_output=False, skip_bias_add=True,
-        )
-        self.linear_fc2 = tensor_parallel.RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, config=config, pstate=pstate, bias=True,
-            input_is_parallel=True, skip_bias_add=True,
-        )
-        self.use_fused = config.use_fused_kernels
-        self.recompute_gelu = config.recomputes("mlp_act")
-        self.grad_accum_fusion = config.gradient_accumulation_fusion
-        self.fp8, self.fp8_margin = config.fp8, config.fp8_margin
-
-    def forward(self, hidden: torch.Tensor):
-        inter, inter_bias = self.linear_fc1(hidden)  # [s, b, ffn/tp]
-        recompute = self.recompute_gelu and self.training
-        if recompute or self.fp8 is not None:
-            # under FP8 always: the GeLU is computed inside the quantization of FC2's input
-            fc2 = self.linear_fc2
-            partial = bias_gelu_linear(inter, inter_bias, fc2.weight, use_fused=self.use_fused,
-                                       gradient_accumulation_fusion=self.grad_accum_fusion,
-                                       fp8_format=self.fp8, fp8_margin=self.fp8_margin,
-                                       recompute=recompute, fp8_sites=fc2.fp8_sites)  # [s, b, h] partial
-            if fc2.sequence_parallel:
-                out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial, fc2.tp_group)  # [s/tp, b, h]
-            else:
-                out = tensor_parallel.reduce_from_tensor_model_parallel_region(partial, fc2.tp_group)  # [s, b, h]
-            return out, fc2.bias
-        inter = bias_gelu(inter, inter_bias, use_fused=self.use_fused)
-        return self.linear_fc2(inter)  # ([s(/tp), b, h], bias)
 
 
 class TransformerLayer(nn.Module):

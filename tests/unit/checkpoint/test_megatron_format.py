@@ -296,7 +296,7 @@ def test_megatron_core_tp2_shards_merge_into_the_same_model():
 
 def test_refuses_architectures_and_the_wrong_reader(tmp_path):
     from megatron.core.checkpoint_formats import read_our_checkpoint
-    from megatron.core.checkpoint_formats.megatron_lm import check_supported_args
+    from megatron.core.checkpoint_formats.layout import check_supported_args
 
     for key, value, flag in (("swiglu", True, "--swiglu"), ("position_embedding_type", "rope",
                                                              "--position-embedding-type rope"),

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DDPConfig, DistributedDataParallel
+from megatron.core.grad_record import add_grad, record_of
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, optimizer_memory_report
 from megatron.core.parallel_state import ParallelState
 from tests.dist_utils import run_distributed
@@ -87,7 +88,9 @@ def _no_sync_body(rank, world):
     mean = 4.0 * sum(r + 1 for r in range(world)) / world
     torch.testing.assert_close(ddp.module.weight.main_grad, torch.full((3, 4), mean))
     torch.testing.assert_close(ddp.module.bias.main_grad, torch.full((3,), mean))
-    ddp.zero_grad_buffer()
+    ddp.zero_grad_buffer()  # marks every main grad zero; the buffer is cleared lazily
+    assert all(record_of(p).is_zero for p in ddp.parameters())
+    ddp.settle_unwritten_grads()  # nothing written since: zeroed before anything reads them
     assert ddp.module.weight.main_grad.abs().sum() == 0
 
 
@@ -109,8 +112,8 @@ def test_bucket_layout_single_process():
 
 
 class _FusedWgradLinear(torch.autograd.Function):
-    """y = x W^T whose weight grad is added straight into ``W.main_grad`` (no ``W.grad``), like
-    gradient-accumulation fusion."""
+    """y = x W^T whose weight grad is stored straight into ``W.main_grad`` (no ``W.grad``) through the gradient
+    record, like gradient-accumulation fusion."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -120,7 +123,7 @@ class _FusedWgradLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        weight.main_grad.add_(dy.t() @ x)
+        add_grad(weight, dy.t() @ x)
         return dy @ weight, None
 
 

@@ -1,6 +1,7 @@
 """CPU checks of the paths that do not need a GPU: the chunked cross-entropy and the 16-bit-state softmax.
 
-These run anywhere (no CUDA needed); the GPU kernels are covered by tests/gpu/test_fused_kernels.py.
+These run anywhere (no CUDA needed); the GPU kernels are covered by tests/gpu/test_fused_kernels.py on the GPU
+machine.
 """
 
 import pytest

@@ -13,6 +13,7 @@ Every rank holds, per pipeline stage s:
 import torch
 
 from megatron.core.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megatron.core.grad_record import add_grad
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from tests.dist_utils import run_distributed
@@ -65,11 +66,11 @@ def _body(rank, world, TP, pp, distopt):
     grads, partial = _full_grads(pp, TP)
     rows, erows = slice(t * 8 // TP, (t + 1) * 8 // TP), slice(t * 10 // TP, (t + 1) * 10 // TP)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
-    opt.zero_grad()
-    module.A.main_grad.copy_(grads[f"A{s}"][rows])
-    module.B.main_grad.copy_(grads[f"B{s}"])
-    module.C.main_grad.copy_(partial[f"C{s}"][t])
-    module.E.main_grad.copy_(partial["E"][s][erows] if pp > 1 else grads["E"][erows])
+    opt.zero_grad()  # marks the main grads zero: the first gradient stored is written
+    add_grad(module.A, grads[f"A{s}"][rows])
+    add_grad(module.B, grads[f"B{s}"])
+    add_grad(module.C, partial[f"C{s}"][t])
+    add_grad(module.E, partial["E"][s][erows] if pp > 1 else grads["E"][erows])
     finalize_model_grads([ddp], pstate)
     # finalize summed C over TP and E over the embedding group (under the distributed optimizer only the
     # owned shard of C is valid; E's whole grad is made valid before the embedding all-reduce)

@@ -5,6 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
+from megatron.core import collectives as C
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import mappings as M
 from tests.dist_utils import run_distributed
@@ -19,9 +20,9 @@ def _rand(seed, *shape):
 def _run(op, x, upstream, group):
     """Forward ``op`` and backward ``upstream``; return (output, input grad, fwd counts, bwd counts)."""
     x = x.clone().requires_grad_(True)
-    with M.count_collectives() as fwd:
+    with C.count_collectives() as fwd:
         y = op(x, group)
-    with M.count_collectives() as bwd:
+    with C.count_collectives() as bwd:
         y.backward(upstream)
     return y.detach(), x.grad, fwd, bwd
 
@@ -121,7 +122,7 @@ def test_operators_parity_tp2_tp4():
 
 def test_trivial_group_is_identity():
     x = torch.randn(4, 2, 6, requires_grad=True)
-    with M.count_collectives() as c:
+    with C.count_collectives() as c:
         for fn in (M.copy_to_tensor_model_parallel_region, M.reduce_from_tensor_model_parallel_region,
                    M.scatter_to_tensor_model_parallel_region, M.gather_from_tensor_model_parallel_region,
                    M.scatter_to_sequence_parallel_region, M.gather_from_sequence_parallel_region,
@@ -131,9 +132,9 @@ def test_trivial_group_is_identity():
 
 
 def test_counters_nest():
-    with M.count_collectives() as outer:
-        M._record("all_reduce")
-        with M.count_collectives() as inner:
-            M._record("all_gather")
-    M._record("all_reduce")  # outside: not counted
+    with C.count_collectives() as outer:
+        C._record("all_reduce")
+        with C.count_collectives() as inner:
+            C._record("all_gather")
+    C._record("all_reduce")  # outside: not counted
     assert outer == Counter(all_reduce=1, all_gather=1) and inner == Counter(all_gather=1)

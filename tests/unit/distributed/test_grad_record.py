@@ -1,12 +1,14 @@
-"""The linear layers' weights are not zeroed between iterations (``lazy_grad_zero``, grad_buffer.py): their
-main grads keep stale values, the first gradient of an iteration is written instead of added, and one that no
-backward wrote is zeroed before the reduction. Poisoning those ranges with NaN must change nothing."""
+"""The gradient record (megatron/core/grad_record.py) and lazy zeroing (``DDPConfig.lazy_grad_zero``): the main
+grads are not cleared between iterations, keep stale values, the first gradient of an iteration is written
+instead of added, and one that no backward wrote is zeroed before the reduction. Poisoning the whole buffer
+with NaN must change nothing; without lazy zeroing the buffer is cleared."""
 
 import pytest
 import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DDPConfig, DistributedDataParallel
+from megatron.core.grad_record import GradRecord, add_grad, attach_main_grad, record_of
 from megatron.core.parallel_state import ParallelState
 from megatron.core.transformer.config import TransformerConfig
 
@@ -37,20 +39,20 @@ def _model(fp8):
 
 
 @pytest.mark.parametrize("fp8", [None, "hybrid"])
-def test_stale_weight_grads_change_nothing(fp8):
+def test_stale_grads_change_nothing(fp8):
     ref_model, model = _model(fp8), _model(fp8)
     ddp = DistributedDataParallel(model, pstate=ParallelState.single(), config=DDPConfig())
-    lazy = ddp.buffers[0].lazy_params
-    assert {id(p) for p in lazy} == {id(m.weight) for m in (model.fc1, model.fc2, model.unused)}
+    records = {name: record_of(p) for name, p in model.named_parameters()}
+    assert all(r.main_grad is p.main_grad for r, p in zip(records.values(), model.parameters()))
+    assert records["fc1.bias"].sink and not records["fc1.weight"].sink  # declared by the layer
     dtype = torch.bfloat16 if fp8 else torch.float32
     xs = [torch.randn(2, 16, 16).to(dtype) for _ in range(4)]
     for step in range(2):  # two iterations of two microbatches
         ddp.zero_grad_buffer()
-        for p in lazy:
-            p.main_grad.fill_(float("nan"))  # what an unzeroed range may hold
-        model.fc1.bias.main_grad.fill_(float("nan"))
-        ddp.zero_grad_buffer()  # zeroes the biases; the weights stay poisoned until written
-        assert torch.isnan(model.fc1.weight.main_grad).all() and not model.fc1.bias.main_grad.any()
+        ddp.buffers[0].grad_data.fill_(float("nan"))  # what an uncleared buffer may hold
+        ddp.zero_grad_buffer()  # marks every record zero, clears nothing
+        assert torch.isnan(model.fc1.weight.main_grad).all() and torch.isnan(model.fc1.bias.main_grad).all()
+        assert all(r.is_zero for r in records.values())
         ref_model.zero_grad()
         for x in xs[2 * step:2 * step + 2]:
             model(x).float().pow(2).mean().backward()
@@ -65,21 +67,41 @@ def test_stale_weight_grads_change_nothing(fp8):
                                            atol=1e-6 if fp8 is None else 1e-3, msg=name)
 
 
+def test_without_lazy_zeroing_the_buffer_is_cleared():
+    model = _model(None)
+    ddp = DistributedDataParallel(model, pstate=ParallelState.single(), config=DDPConfig(lazy_grad_zero=False))
+    ddp.buffers[0].grad_data.fill_(float("nan"))
+    ddp.zero_grad_buffer()
+    assert not ddp.buffers[0].grad_data.any() and all(record_of(p).is_zero for p in model.parameters())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_gradient_gemm_writes_the_first_gradient(dtype):
-    """Gradient-accumulation fusion's GEMM (``_accumulate_wgrad``): with ``main_grad_is_zero`` it writes (a NaN
-    left in the buffer is not read) and clears the mark; then it adds."""
-    from megatron.core.fusions.linear import _accumulate_wgrad
+    """Gradient-accumulation fusion's GEMM (``accumulate_wgrad``): while the slice is marked zero it writes (a
+    NaN left in the buffer is not read) and clears the mark; then it adds."""
+    from megatron.core.fusions.linear import accumulate_wgrad
 
     g = torch.Generator().manual_seed(4)
     w = torch.nn.Parameter(torch.zeros(8, 16, dtype=dtype))
-    w.main_grad = torch.full((8, 16), float("nan"))
-    w.main_grad_is_zero = True
+    record = attach_main_grad(w, torch.full((8, 16), float("nan")))
+    assert record.is_zero and w.main_grad is record.main_grad
     dy, x = torch.randn(32, 8, generator=g).to(dtype), torch.randn(32, 16, generator=g).to(dtype)
     ref = dy.float().t() @ x.float()
-    _accumulate_wgrad(w, dy, x)
-    assert not w.main_grad_is_zero and w.grad_added_to_main_grad
+    accumulate_wgrad(w, dy, x)
+    assert not record.is_zero
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(w.main_grad, ref, **tol)
-    _accumulate_wgrad(w, dy, x)
+    accumulate_wgrad(w, dy, x)
     torch.testing.assert_close(w.main_grad, 2 * ref, **tol)
+
+
+def test_hook_gradient_follows_the_zero_rule():
+    """``add_grad`` (the wrapper's hook) writes while marked zero, then adds; the record is attached once."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    record = attach_main_grad(p, torch.full((3,), float("nan")))
+    add_grad(p, torch.tensor([1.0, 2.0, 3.0]))
+    add_grad(p, torch.tensor([1.0, 1.0, 1.0]))
+    torch.testing.assert_close(p.main_grad, torch.tensor([2.0, 3.0, 4.0]))
+    assert isinstance(record, GradRecord) and record_of(p) is record and not record.is_zero
+    with pytest.raises(ValueError, match="main_grad shape"):
+        attach_main_grad(p, torch.zeros(4))
