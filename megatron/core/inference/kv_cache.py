@@ -58,9 +58,12 @@ class CachedCoreAttention(nn.Module):
         self.original = original
         self.cache, self.layer_index = cache, layer_index
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.cache.active:
-            return self.original(q, k, v)
+            return self.original(q, k, v, attention_mask)
+        if attention_mask is not None:  # the cache serves causal decoders, whose attention takes no padding mask
+            raise ValueError("KV-cached generation runs causal models only; a padding mask was given")
         s, b, n, d = q.shape  # q, k, v: [s, b, n/tp, d]
         start, end = self.cache.offset, self.cache.offset + s
         if end > self.cache.capacity:
