@@ -28,7 +28,7 @@ class LayerNorm(nn.Module):
             p.grad_accumulation_fusion = config.gradient_accumulation_fusion
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.use_fused = config.use_fused_kernels
+        self.use_fused = config.use_fused_kernels and config.layernorm_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma, use_fused=self.use_fused)
@@ -58,7 +58,7 @@ class MLP(nn.Module):
             config.ffn_hidden_size, config.hidden_size, config=config, pstate=pstate, bias=True,
             input_is_parallel=True, skip_bias_add=True,
         )
-        self.use_fused = config.use_fused_kernels
+        self.use_fused = config.use_fused_kernels and config.bias_gelu_fusion
         self.recompute_gelu = config.recomputes("mlp_act")
         self.grad_accum_fusion = config.gradient_accumulation_fusion
         self.fp8, self.fp8_margin = config.fp8, config.fp8_margin
@@ -101,7 +101,7 @@ class TransformerLayer(nn.Module):
         return contextlib.nullcontext()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        p, fused = self.config.hidden_dropout, self.config.use_fused_kernels
+        p, fused = self.config.hidden_dropout, self.config.use_fused_kernels and self.config.bias_dropout_fusion
         normed, residual = self.input_layernorm.with_residual(hidden)
         attn_out, attn_bias = self.self_attention(normed)
         with self._dropout_rng():
