@@ -155,7 +155,6 @@ class LoggingConfig:
     tensorboard_dir: Optional[str]
     tensorboard_log_interval: int
     tensorboard_queue_size: int
-    log_validation_ppl_to_tensorboard: bool
     wandb_project: Optional[str]
     wandb_exp_name: Optional[str]
     wandb_save_dir: Optional[str]

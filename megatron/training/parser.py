@@ -144,8 +144,6 @@ def _logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-log-interval", type=int, default=1, help="write scalars every N iterations")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,
                    help="scalars TensorBoard buffers before it writes to disk")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="also write the validation perplexity to TensorBoard")
     g.add_argument("--wandb-project", default=None,
                    help="log the same scalars to Weights & Biases in this project (needs the wandb package; "
                         "WANDB_MODE=offline works without network)")

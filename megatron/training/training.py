@@ -238,10 +238,8 @@ class Trainer:
             print_rank_last("-" * 100)
             name = "lm loss validation" if split == "valid" else "lm loss test"
             if "lm loss" in totals:
-                values = {name: totals["lm loss"]}
-                if self.log_cfg.log_validation_ppl_to_tensorboard:
-                    values[name + " ppl"] = math.exp(min(20.0, totals["lm loss"]))
-                self.tb.scalars(self.iteration, values)
+                self.tb.scalars(self.iteration, {name: totals["lm loss"],
+                                                 name + " ppl": math.exp(min(20.0, totals["lm loss"]))})
         return totals
 
     # ---- the loop ---------------------------------------------------------------------------------------
