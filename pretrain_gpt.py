@@ -81,10 +81,17 @@ def datasets_provider(ctx: TrainingContext, num_samples):
     from megatron.core.datasets.gpt_dataset import build_gpt_datasets
 
     print_rank_0(f"> building GPT datasets for {num_samples} (train, valid, test) samples")
+
+    def build(first: bool):
+        try:
+            return build_gpt_datasets(d.data_path, d.split, seq, seed, num_samples, cache_dir=d.data_cache_path,
+                                      is_rank_0=first, barrier=None if first else (lambda: None))
+        except OSError as exc:
+            raise ValueError(f"building the GPT datasets of --data-path {' '.join(d.data_path)} "
+                             f"(--data-cache-path {d.data_cache_path}): {exc}") from None
+
     # rank 0 builds (and caches) the indices first; its errors reach every rank as the same message
-    return rank_0_first(lambda first: build_gpt_datasets(
-        d.data_path, d.split, seq, seed, num_samples, cache_dir=d.data_cache_path, is_rank_0=first,
-        barrier=None if first else (lambda: None)))
+    return rank_0_first(build)
 
 
 def main(argv=None):

@@ -368,6 +368,9 @@ def _build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: in
     eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_iters else 0
     num_samples = (t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs)
     train_ds, valid_ds, test_ds = datasets_provider(ctx, num_samples)
+    if num_samples[0] > 0 and train_ds is None:
+        raise SharedError(f"--split {ctx.config.data.split} leaves no training data, but {t.train_iters} training "
+                          "iterations were asked for; give the train split a share")
     if pstate.tp_rank != 0:
         return {"train": [None] * chunks, "valid": [None] * chunks, "test": [None] * chunks}
 
@@ -416,8 +419,11 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
             print(note, flush=True)
     initialize_distributed(cfg.parallel)
     par, t = cfg.parallel, cfg.training
+    import datetime
+
     pstate = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                 par.virtual_pipeline_model_parallel_size)
+                                 par.virtual_pipeline_model_parallel_size,
+                                 timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
     print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
                  f"per step, global batch {t.global_batch_size}")
     # Megatron offsets the seed per pipeline stage so different stages draw independent dropout masks.
@@ -495,6 +501,12 @@ def main_entry(run: Callable[[], object]) -> None:
     except (ValueError, checkpointing.CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         _exit(2)
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        print(f"error: a collective on rank {_env_rank()} waited longer than --distributed-timeout-minutes "
+              f"(another rank stopped or died): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        _exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
