@@ -359,7 +359,7 @@ def classify(flag: str, implemented: Iterable[str]) -> str:
 
 
 def closest(flag: str, known: Iterable[str], n: int = 3) -> List[str]:
-    return difflib.get_close_matches(flag, sorted(known), n=n, cutoff=0.6)
+    return difflib.get_close_matches(flag, sorted(known), n=n, cutoff=0.75)
 
 
 def rewrite_argv(argv: Sequence[str], implemented: Iterable[str]) -> Tuple[List[str], List[str]]:
