@@ -129,6 +129,7 @@ def _resolve_backend(ns: argparse.Namespace) -> None:
 def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check consistency and fill derived values in place; raise ``ConfigError`` naming the flag and numbers."""
     from megatron.core.parallel_state import validate_parallel_sizes
+    from megatron.core.pipeline_parallel.partition import layers_for_stage
 
     for dest, (flag, supported) in SUPPORTED_CHOICES.items():
         if getattr(ns, dest) not in supported:
@@ -179,11 +180,11 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
         if not 0.0 <= getattr(ns, name) < 1.0:
             _fail(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(ns, name)}")
     _check_model(ns, tp)
-    if ns.decoder_first_pipeline_num_layers is None and ns.decoder_last_pipeline_num_layers is None:
-        chunks = pp * (ns.virtual_pipeline_model_parallel_size or 1)
-        if ns.num_layers % chunks:
-            _fail(f"--num-layers ({ns.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
-                  f"x virtual stages ({ns.virtual_pipeline_model_parallel_size or 1}) = {chunks}")
+    try:  # the library's layer split checks every stage (even, uneven and interleaved splits)
+        layers_for_stage(ns.num_layers, pp, 0, ns.virtual_pipeline_model_parallel_size, 0,
+                         ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * dp

@@ -203,3 +203,28 @@ def test_stored_configuration_is_plain_and_loads_with_weights_only(tmp_path):
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.num_layers = 3
+
+
+def test_an_entry_point_adds_its_own_section():
+    import dataclasses
+
+    from megatron.training.config import ExtraSection
+
+    @dataclasses.dataclass(frozen=True)
+    class Masking:
+        mask_prob: float
+
+    def add(parser):
+        parser.add_argument_group("masking").add_argument("--mask-prob", type=float, default=0.15,
+                                                          help="fraction of tokens masked")
+
+    def check(ns):
+        if not 0.0 < ns.mask_prob < 1.0:
+            raise ConfigError(f"--mask-prob must be in (0, 1), got {ns.mask_prob}")
+
+    section = ExtraSection("masking", Masking, add, check)
+    # --mask-prob is also a Megatron-LM flag: the entry point's parser implements it, so it is not refused
+    cfg, _ = parse_config(SMALL + ["--mask-prob", "0.2"], extra_sections=[section])
+    assert cfg.extra["masking"] == Masking(0.2) and cfg.to_plain_dict()["mask_prob"] == 0.2
+    with pytest.raises(ConfigError, match=r"--mask-prob must be in \(0, 1\), got 1.5"):
+        parse_config(SMALL + ["--mask-prob", "1.5"], extra_sections=[section])
