@@ -14,8 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.core.fusions.fp8 import FP8_FORMATS
-from megatron.training.config import RunConfig, pad_vocab_size  # noqa: F401  (pad_vocab_size re-exported)
+from megatron.training.config import RunConfig, pad_vocab_size
 from megatron.training.flag_table import ConfigError, closest, rewrite_argv
 from megatron.training.parser import build_parser
 
@@ -307,5 +306,4 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["ConfigError", "parse_config", "parse_namespace", "validate", "make_parser", "pad_vocab_size",
-           "FP8_FORMATS"]
+__all__ = ["ConfigError", "parse_config", "parse_namespace", "validate", "make_parser", "pad_vocab_size"]

@@ -8,8 +8,6 @@ launched, that a step runs ahead wherever the rules allow, and that an exit wait
 
 import types
 
-import pytest
-
 from megatron.training import training
 from megatron.training.scheduler import OptimizerParamScheduler
 

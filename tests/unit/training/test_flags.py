@@ -79,6 +79,7 @@ LEGACY = [
     (["--no-persist-layer-norm"], ft.IMPLEMENTED, lambda c: not c.model.persist_layer_norm
      and c.model.bias_gelu_fusion),
     (["--use-cpu-initialization"], ft.NO_EFFECT, None),
+    (["--use-checkpoint-args"], ft.IMPLEMENTED, "--use-checkpoint-args needs --load"),
     (["--num-experts", "8"], ft.REFUSED, "--num-experts is a Megatron-LM flag for mixture of experts"),
     (["--use-rotary-position-embeddings"], ft.REFUSED, "rotary position embeddings"),
     (["--moe-router-topk", "2"], ft.REFUSED, "mixture of experts"),
