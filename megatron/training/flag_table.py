@@ -332,6 +332,9 @@ DEFAULT_DIFFERENCES: Dict[str, str] = {
     "--check-for-nan-in-loss-and-grad": "Megatron-LM (2024 on): on; here off, since fp16 loss scaling skips "
                                         "non-finite steps by design",
     "--split": "Megatron-LM (2024 on): none; here 969, 30, 1 (Megatron-LM's older default)",
+    "--tokenizer-type": "Megatron-LM: none (required); here GPT2BPETokenizer",
+    "--fp8-recipe": "Megatron-LM: delayed; here tensorwise (current scaling needs no history to be right)",
+    "--transformer-impl": "Megatron-LM: transformer_engine; here local, the only implementation",
     "--no-persist-layer-norm": "Megatron-LM: the non-persistent fused kernel; here the plain PyTorch LayerNorm "
                                "(there is one fused LayerNorm kernel)",
 }
