@@ -36,6 +36,9 @@ def get_args(argv=None) -> PreprocessConfig:
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="output path without the _{key}_{level}.bin/.idx suffix")
+    g.add_argument("--dataset-impl", "--data-impl", dest="dataset_impl", default="mmap", choices=["mmap"],
+                   help="output format: mmap, Megatron-LM's memory-mapped .bin/.idx (the only one; accepted for "
+                        "scripts that name it)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="worker processes (about the number of cores)")
     g.add_argument("--partitions", type=int, default=1,

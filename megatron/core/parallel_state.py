@@ -90,10 +90,13 @@ class ParallelState:
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: Optional[int] = None,
+        timeout=None,
     ) -> "ParallelState":
         """Create every group from the initialised default process group.
 
-        Every rank must call this with the same arguments (``new_group`` is collective).
+        Every rank must call this with the same arguments (``new_group`` is collective). ``timeout`` (a
+        ``datetime.timedelta``) bounds every collective of the groups; torch's default otherwise, not the
+        default group's.
         """
         if not dist.is_initialized():
             if tensor_model_parallel_size == 1 and pipeline_model_parallel_size == 1:
@@ -111,7 +114,7 @@ class ParallelState:
         def make(groups: List[List[int]]) -> tuple:
             chosen_group, chosen_ranks = None, []
             for ranks in groups:
-                g = dist.new_group(ranks)  # collective: every rank creates every group
+                g = dist.new_group(ranks, timeout=timeout)  # collective: every rank creates every group
                 if rank in ranks:
                     chosen_group, chosen_ranks = g, ranks
             return chosen_group, chosen_ranks

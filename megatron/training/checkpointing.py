@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
+from megatron.training.config import CheckpointConfig
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -58,13 +59,16 @@ def _model_state(model: List[torch.nn.Module]) -> dict:
     return {f"model{i}": chunk.state_dict() for i, chunk in enumerate(model)}
 
 
-def save_checkpoint(iteration: int, model, optimizer, scheduler, args, pstate: ParallelState,
+def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: CheckpointConfig, pstate: ParallelState,
                     consumed_train_samples: int, plain_args: dict) -> str:
-    """Collective: every rank calls it (the distributed optimizer gathers its state across DP)."""
+    """Collective: every rank calls it (the distributed optimizer gathers its state across DP).
+
+    ``plain_args``: the run's configuration as plain types (``RunConfig.to_plain_dict``), stored as ``args``.
+    """
     optim_state = None
-    if optimizer is not None and not args.no_save_optim:
+    if optimizer is not None and not cfg.no_save_optim:
         optim_state = optimizer.state_dict()
-    path = os.path.join(checkpoint_dir(args.save, iteration, pstate), "model_optim_rng.pt")
+    path = os.path.join(checkpoint_dir(cfg.save, iteration, pstate), "model_optim_rng.pt")
     if pstate.dp_rank == 0:
         state = {
             "args": plain_args,
@@ -76,7 +80,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, args, pstate: P
         if optim_state is not None:
             state["optimizer"] = optim_state
             state["opt_param_scheduler"] = scheduler.state_dict()
-        if not args.no_save_rng:
+        if not cfg.no_save_rng:
             state["rng_state"] = tensor_parallel.get_all_rng_states()
         fp8_state = delayed_scaling_state()
         if fp8_state is not None:  # --fp8-recipe delayed: the amax histories, so a resume keeps the scales
@@ -84,7 +88,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, args, pstate: P
         _atomic_save(state, path)
     _barrier()
     if pstate.rank == 0:
-        _atomic_write_text(os.path.join(args.save, TRACKER), str(iteration))
+        _atomic_write_text(os.path.join(cfg.save, TRACKER), str(iteration))
     _barrier()
     return path
 
@@ -102,13 +106,31 @@ def read_tracker(root: str) -> int:
         raise CheckpointError(f"corrupt tracker file {tracker}: expected an iteration number, found {text!r}")
 
 
-def load_checkpoint(model, optimizer, scheduler, args, pstate: ParallelState) -> tuple:
-    """Load ``args.load`` into the model (and optimizer, scheduler, RNG unless told not to).
+def read_saved_args(root: str) -> dict:
+    """The stored arguments of the latest checkpoint under ``root`` (any rank's file; weights not read)."""
+    iteration = read_tracker(root)
+    it_dir = os.path.join(root, "release" if iteration == 0 else f"iter_{iteration:07d}")
+    ranks = sorted(d for d in os.listdir(it_dir) if d.startswith("mp_rank_")) if os.path.isdir(it_dir) else []
+    if not ranks:
+        raise CheckpointError(f"no mp_rank_* folder in {it_dir}")
+    path = os.path.join(it_dir, ranks[0], "model_optim_rng.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # truncated file, bad zip, foreign pickle
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    saved = state.get("args")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path} holds no stored arguments")
+    return dict(saved)
+
+
+def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: ParallelState) -> tuple:
+    """Load ``cfg.load`` into the model (and optimizer, scheduler, RNG unless told not to).
 
     Returns ``(iteration, consumed_train_samples)``; ``(0, 0)`` when finetuning. Raises ``CheckpointError``
     with the path and the reason on a missing, corrupt or incompatible checkpoint.
     """
-    root = args.load
+    root = cfg.load
     if not os.path.isdir(root):
         raise CheckpointError(f"--load directory {root} does not exist")
     iteration = read_tracker(root)
@@ -145,14 +167,14 @@ def load_checkpoint(model, optimizer, scheduler, args, pstate: ParallelState) ->
             print(f"> FP8 delayed-scaling state in {path} not restored ({why}); its sites start with current "
                   "scaling", flush=True)
 
-    if args.finetune:
+    if cfg.finetune:
         return 0, 0
-    if not args.no_load_optim and optimizer is not None:
+    if not cfg.no_load_optim and optimizer is not None:
         if "optimizer" not in state:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state; use --no-load-optim or --finetune")
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
-    if not args.no_load_rng:
+    if not cfg.no_load_rng:
         if "rng_state" not in state:
             raise CheckpointError(f"checkpoint {path} holds no RNG state; use --no-load-rng")
         tensor_parallel.set_all_rng_states(state["rng_state"])

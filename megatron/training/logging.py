@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from typing import Dict, Optional
 
 import torch
 
 
-def num_floating_point_operations(args, batch_size: int) -> float:
+def num_floating_point_operations(model, padded_vocab_size: int, batch_size: int) -> float:
     """Model FLOPs of one training iteration (forward + backward = 3 x forward), no recomputation counted.
 
     Per token and layer the GEMMs cost 2*(4h^2 + 2*h*ffn) FLOPs forward, attention scores and x V cost 4*s*h,
     and the output layer 2*h*V: for ffn = 4h this is Megatron's 72*L*h^2 + 12*L*h*s + 6*h*V per token.
+    ``model``: the model section (``ModelConfig``: hidden size, layers, sequence length, MLP size).
     """
-    h, L, s, ffn = args.hidden_size, args.num_layers, args.seq_length, args.ffn_hidden_size
-    per_token_fwd = L * (2 * (4 * h * h + 2 * h * ffn) + 4 * s * h) + 2 * h * args.padded_vocab_size
+    h, L, s, ffn = model.hidden_size, model.num_layers, model.seq_length, model.ffn_hidden_size
+    per_token_fwd = L * (2 * (4 * h * h + 2 * h * ffn) + 4 * s * h) + 2 * h * padded_vocab_size
     return 3.0 * per_token_fwd * batch_size * s
 
 
@@ -55,26 +57,49 @@ def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
 
 
 class TensorBoardLogger:
-    """Writes scalars on one rank when ``--tensorboard-dir`` is given; a no-op otherwise."""
+    """Writes scalars on one rank to TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
 
-    def __init__(self, log_dir: Optional[str], enabled: bool):
+    ``cfg`` is the logging section (``LoggingConfig``); with neither destination set this is a no-op.
+    """
+
+    def __init__(self, cfg, enabled: bool, run_config: Optional[dict] = None):
         self.writer = None
-        if log_dir and enabled:
+        self.wandb = None
+        if not enabled or cfg is None:
+            return
+        if cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+            self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, max_queue=cfg.tensorboard_queue_size)
+        if cfg.wandb_project:
+            self.wandb = _start_wandb(cfg, run_config or {})
 
     def scalars(self, iteration: int, values: Dict[str, float]) -> None:
-        if self.writer is None:
-            return
-        for key, value in values.items():
-            if value is not None:
+        values = {k: v for k, v in values.items() if v is not None}
+        if torch.cuda.is_available() and (self.writer is not None or self.wandb is not None):
+            values["mem-allocated-bytes"] = torch.cuda.memory_allocated()
+            values["mem-max-allocated-bytes"] = torch.cuda.max_memory_allocated()
+        if self.writer is not None:
+            for key, value in values.items():
                 self.writer.add_scalar(key, value, iteration)
-        if torch.cuda.is_available():
-            self.writer.add_scalar("mem-allocated-bytes", torch.cuda.memory_allocated(), iteration)
-            self.writer.add_scalar("mem-max-allocated-bytes", torch.cuda.max_memory_allocated(), iteration)
+        if self.wandb is not None and values:
+            self.wandb.log(values, step=iteration)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(cfg, run_config: dict):
+    """A W&B run (``wandb`` is an optional dependency, imported only when asked for)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("--wandb-project needs the wandb package (pip install wandb)") from None
+    save_dir = cfg.wandb_save_dir or os.path.join(cfg.tensorboard_dir or ".", "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name, entity=cfg.wandb_entity, dir=save_dir,
+                      config=run_config)

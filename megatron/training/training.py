@@ -1,12 +1,14 @@
-"""The pretraining driver: arguments -> grid -> model -> optimizer -> checkpoint -> train/eval loop -> save."""
+"""The pretraining driver: flags -> config -> process group -> grid -> model -> optimizer -> checkpoint -> loop."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import signal
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import checkpointing
-from megatron.training.arguments import args_to_plain_dict, params_dtype, parse_args
+from megatron.training.arguments import parse_config, world_size_from_env
+from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
+from megatron.training.flag_table import SharedError
 from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
                                        num_floating_point_operations)
 from megatron.training.scheduler import OptimizerParamScheduler
@@ -34,17 +38,49 @@ def print_rank_last(msg: str) -> None:
         print(msg, flush=True)
 
 
-def initialize_distributed(args_backend: Optional[str] = None, timeout_minutes: int = 10) -> int:
-    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU); return the world size."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+class NonFiniteError(SharedError):
+    """--check-for-nan-in-loss-and-grad found a non-finite loss or gradient norm (all ranks agree)."""
+
+
+def _env_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def initialize_distributed(parallel: ParallelConfig) -> int:
+    """Join the process group torchrun (or torch.distributed.launch) describes, with the configured backend and
+    timeout; return the world size."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None and parallel.local_rank_from_launcher is not None:
+        local_rank = str(parallel.local_rank_from_launcher)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    if world > 1 and not dist.is_initialized():
+        torch.cuda.set_device(int(local_rank or "0") % torch.cuda.device_count())
+    if parallel.world_size > 1 and not dist.is_initialized():
         import datetime
 
-        backend = args_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
-    return world
+        dist.init_process_group(backend=parallel.distributed_backend,
+                                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+    return parallel.world_size
+
+
+def rank_0_first(build: Callable[[bool], object]) -> object:
+    """``build(True)`` on rank 0, then ``build(False)`` on the others (e.g. to read what rank 0 cached).
+
+    An error on rank 0 (``ValueError``/``OSError``) reaches every rank as the same ``SharedError`` message,
+    instead of the others failing on a closed connection.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return build(True)
+    error, result = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = build(True)
+        except (ValueError, OSError) as exc:
+            error = str(exc)
+    message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise SharedError(message[0])
+    return result if dist.get_rank() == 0 else build(False)
 
 
 def _sync():
@@ -67,27 +103,39 @@ def _dp_mean(value: torch.Tensor, pstate: ParallelState) -> torch.Tensor:
 
 
 class Trainer:
-    """Holds what one run needs; ``pretrain()`` builds it and calls ``run()``."""
+    """Holds what one run needs; ``pretrain()`` builds it and calls ``run()``.
 
-    def __init__(self, args, pstate: ParallelState, model: List[torch.nn.Module], forward_step_func: Callable,
-                 iterators: dict):
-        self.args, self.pstate, self.model = args, pstate, model
+    It reads the training, optimizer, scheduler, precision, logging and checkpointing sections, and of the model
+    only the activation shape the pipeline schedule needs.
+    """
+
+    def __init__(self, cfg: RunConfig, pstate: ParallelState, model: List[torch.nn.Module], forward_step_func: Callable,
+                 iterators: dict, flops_per_iteration: float = 0.0):
+        self.pstate, self.model = pstate, model
+        self.train_cfg, self.ckpt_cfg, self.log_cfg = cfg.training, cfg.checkpointing, cfg.logging
+        self.precision = cfg.precision
+        self.activation_shape = dict(seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
+                                     hidden_size=cfg.model.hidden_size, dtype=cfg.precision.torch_dtype,
+                                     sequence_parallel=cfg.parallel.sequence_parallel)
         self.forward_step_func = forward_step_func
         self.iterators = iterators
+        self.flops_per_iteration = flops_per_iteration
+        o, p = cfg.optimizer, cfg.precision
         opt_cfg = OptimizerConfig(
-            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_param_gather=args.overlap_param_gather, capturable=args.enable_cuda_graph,
-            fused_adamw=args.fused_adamw,
+            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad, bf16=p.bf16, fp16=p.fp16,
+            loss_scale=p.loss_scale, initial_loss_scale=p.initial_loss_scale,
+            min_loss_scale=p.min_loss_scale, loss_scale_window=p.loss_scale_window,
+            hysteresis=p.hysteresis, use_distributed_optimizer=o.use_distributed_optimizer,
+            overlap_param_gather=o.overlap_param_gather, capturable=cfg.training.enable_cuda_graph,
+            fused_adamw=o.fused_adamw,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, model, pstate)
+        sc = cfg.scheduler
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-            args.lr_decay_style, args.weight_decay,
+            self.optimizer, sc.lr, sc.min_lr, sc.lr_warmup_iters, sc.lr_decay_iters, sc.lr_decay_style,
+            sc.weight_decay,
         )
         self.forward_backward = get_forward_backward_func(pstate)
         self.cuda_graph = None  # built at the first step with --enable-cuda-graph
@@ -95,20 +143,24 @@ class Trainer:
         self.consumed_train_samples = 0
         self.skipped_iters = 0
         self.nan_iters = 0
-        self.tb = TensorBoardLogger(args.tensorboard_dir, pstate.rank == pstate.world_size - 1)
-        self.plain_args = args_to_plain_dict(args)
+        self.plain_args = cfg.to_plain_dict()
+        self.tb = TensorBoardLogger(cfg.logging, pstate.rank == pstate.world_size - 1, self.plain_args)
+        self.signal_received = False
+        if cfg.training.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.signal_received = True  # acted on at the end of the iteration in progress
 
     # ---- one step ---------------------------------------------------------------------------------------
     def _schedule(self, iterators, forward_only: bool) -> list:
-        a = self.args
         scale = None
-        if a.fp16 and not forward_only:
+        if self.precision.fp16 and not forward_only:
             scale = lambda loss: loss * self.optimizer.get_loss_scale()  # noqa: E731
         return self.forward_backward(
             forward_step_func=self.forward_step_func, data_iterator=iterators, model=self.model,
-            num_microbatches=a.num_microbatches, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
-            hidden_size=a.hidden_size, dtype=params_dtype(a), pstate=self.pstate,
-            sequence_parallel=a.sequence_parallel, forward_only=forward_only, grad_scale_func=scale,
+            num_microbatches=self.train_cfg.num_microbatches, pstate=self.pstate, **self.activation_shape,
+            forward_only=forward_only, grad_scale_func=scale,
             no_sync_func=[chunk.no_sync for chunk in self.model],
             finalize_grads_func=None if forward_only else (lambda m: finalize_model_grads(m, self.pstate)),
         )
@@ -138,21 +190,21 @@ class Trainer:
         """Start one training step; ``finish_step`` reads its results. Eager, the whole step runs here. Under
         ``--enable-cuda-graph`` a replay is launched; ``ahead``: the previous launched step is still unread, so
         this step's learning rate depends on whether that one updates (the graph picks, see cuda_graph.py)."""
-        if not self.args.enable_cuda_graph:
+        if not self.train_cfg.enable_cuda_graph:
             return self._eager_step()
         if self.cuda_graph is None:
             from megatron.training.cuda_graph import FullIterationCudaGraph
 
             self.cuda_graph = FullIterationCudaGraph(
-                self.iterators["train"][0], self.args.num_microbatches, self._eager_step,
-                self._captured_step_body, self.optimizer.optimizer, self.args.cuda_graph_warmup_steps,
+                self.iterators["train"][0], self.train_cfg.num_microbatches, self._eager_step,
+                self._captured_step_body, self.optimizer.optimizer, self.train_cfg.cuda_graph_warmup_steps,
                 torch.device("cuda", torch.cuda.current_device()))
         now = self.scheduler.group_lrs(0)
         return self.cuda_graph.launch(self.scheduler.group_lrs(1) if ahead else now, now)
 
     def finish_step(self, handle) -> tuple:
         """``(mean losses, update_ok, grad_norm)`` of a launched step; advances the schedule if it updated."""
-        losses, ok, grad_norm = self.cuda_graph.finish(handle) if self.args.enable_cuda_graph else handle
+        losses, ok, grad_norm = self.cuda_graph.finish(handle) if self.train_cfg.enable_cuda_graph else handle
         if ok:
             self.scheduler.step(1)
         return losses, ok, grad_norm
@@ -160,23 +212,24 @@ class Trainer:
     def _may_run_ahead(self, n: int) -> bool:
         """Whether step ``n + 1`` may be launched before step ``n``'s results are read: only replays, and only
         when nothing (evaluation, a checkpoint, an exit, the end) has to happen after step ``n``."""
-        a = self.args
-        if self.cuda_graph is None or not self.cuda_graph.replaying or n >= a.train_iters:
+        t = self.train_cfg
+        if self.cuda_graph is None or not self.cuda_graph.replaying or n >= t.train_iters:
             return False
         return not any(interval and n % interval == 0
-                       for interval in (a.eval_interval, a.save_interval, a.exit_interval))
+                       for interval in (t.eval_interval, self.ckpt_cfg.save_interval, t.exit_interval))
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, split: str, label: str) -> Optional[dict]:
-        if self.args.eval_iters == 0 or self.iterators.get(split) is None:
+        eval_iters = self.train_cfg.eval_iters
+        if eval_iters == 0 or self.iterators.get(split) is None:
             return None
         for chunk in self.model:
             chunk.eval()
         totals: dict = {}
         with torch.no_grad():
-            for _ in range(self.args.eval_iters):
+            for _ in range(eval_iters):
                 for key, value in self._reduce_losses(self._schedule(self.iterators[split], True)).items():
-                    totals[key] = totals.get(key, 0.0) + value / self.args.eval_iters
+                    totals[key] = totals.get(key, 0.0) + value / eval_iters
         for chunk in self.model:
             chunk.train()
         if self.pstate.is_pipeline_last_stage:
@@ -191,25 +244,44 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def save(self) -> None:
-        if self.args.save:
-            checkpointing.save_checkpoint(self.iteration, self.model, self.optimizer, self.scheduler, self.args,
+        if self.ckpt_cfg.save:
+            checkpointing.save_checkpoint(self.iteration, self.model, self.optimizer, self.scheduler, self.ckpt_cfg,
                                           self.pstate, self.consumed_train_samples, self.plain_args)
-            print_rank_0(f"saved checkpoint at iteration {self.iteration} to {self.args.save}")
+            print_rank_0(f"saved checkpoint at iteration {self.iteration} to {self.ckpt_cfg.save}")
 
-    def _should_exit_for_time(self, start: float) -> bool:
-        if self.args.exit_duration_in_mins is None:
-            return False
-        flag = torch.tensor([float((time.time() - start) / 60.0 > self.args.exit_duration_in_mins)])
+    def _should_exit_for_time(self, start: float) -> Optional[str]:
+        """The reason to stop now (time limit or SIGTERM), decided by all ranks together; None to go on."""
+        t = self.train_cfg
+        if t.exit_duration_in_mins is None and not t.exit_signal_handler:
+            return None
+        timed_out = t.exit_duration_in_mins is not None and (time.time() - start) / 60.0 > t.exit_duration_in_mins
+        flags = torch.tensor([float(timed_out), float(self.signal_received)])
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank decides together
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank decides together
+        if flags[0].item():
+            return "exit-duration-in-mins"
+        return "exit-signal-handler" if flags[1].item() else None
+
+    def _check_finite(self, losses: dict, grad_norm: Optional[float]) -> None:
+        """--check-for-nan-in-loss-and-grad: stop at a non-finite loss, or gradient norm (except under fp16, where
+        the loss scaler skips such steps). The last stage sees the loss, so all ranks agree through a MAX."""
+        bad_loss = any(not math.isfinite(v) for v in losses.values())
+        bad_grad = grad_norm is not None and not math.isfinite(grad_norm) and not self.precision.fp16
+        flags = torch.tensor([float(bad_loss), float(bad_grad)])
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item() or flags[1].item():
+            what = "loss" if flags[0].item() else "gradient norm"
+            raise NonFiniteError(f"iteration {self.iteration}: the {what} is not finite "
+                                 "(--check-for-nan-in-loss-and-grad)")
 
     def run(self, start_time: float) -> dict:
-        a, ps = self.args, self.pstate
+        t, ps, log = self.train_cfg, self.pstate, self.log_cfg
+        save_interval = self.ckpt_cfg.save_interval
         for chunk in self.model:
             chunk.train()
-        flops_per_iter = num_floating_point_operations(a, a.global_batch_size)
-        tokens_per_iter = a.global_batch_size * a.seq_length
+        flops_per_iter = self.flops_per_iteration
+        tokens_per_iter = t.global_batch_size * self.activation_shape["seq_length"]
         window_time, window_iters, window_losses = 0.0, 0, {}
         history, total_train_time, exited, n_run = [], 0.0, None, 0
         # An iteration's time runs from the end of the previous one, so the loop's own work (logging, the
@@ -217,7 +289,7 @@ class Trainer:
         # Under --enable-cuda-graph the next step is launched before this one's results are read (when
         # _may_run_ahead allows), so the GPU replays it while the host logs; ``ahead`` is that launched step.
         t_end, ahead, stop_after_ahead = None, None, None
-        while self.iteration < a.train_iters:
+        while self.iteration < t.train_iters:
             if t_end is None:
                 _sync()
                 t_end = time.time()
@@ -232,11 +304,13 @@ class Trainer:
             dt, t_end = now - t_end, now
             self.iteration += 1
             n_run += 1
-            self.consumed_train_samples += a.global_batch_size
+            self.consumed_train_samples += t.global_batch_size
             total_train_time += dt
             window_time, window_iters = window_time + dt, window_iters + 1
             for k, v in losses.items():
                 window_losses[k] = window_losses.get(k, 0.0) + v
+            if t.check_for_nan_in_loss_and_grad:
+                self._check_finite(losses, grad_norm)
             bad = (grad_norm is not None and not math.isfinite(grad_norm)) or any(
                 not math.isfinite(v) for v in losses.values())
             self.skipped_iters += int(not ok)
@@ -244,54 +318,59 @@ class Trainer:
             if ps.is_pipeline_last_stage:
                 history.append({"iteration": self.iteration, **losses, "grad_norm": grad_norm})
             lr = self.optimizer.param_groups[0]["lr"]
-            if self.iteration % a.log_interval == 0:
+            if self.iteration % log.log_interval == 0:
                 elapsed = window_time / window_iters
-                tflops = flops_per_iter / (elapsed * ps.world_size * 1e12) if a.log_throughput else None
+                tflops = flops_per_iter / (elapsed * ps.world_size * 1e12) if log.log_throughput else None
                 tok_s = tokens_per_iter / elapsed / ps.world_size
                 avg = {k: v / window_iters for k, v in window_losses.items()}
                 print_rank_last(format_iteration_line(
-                    self.iteration, a.train_iters, self.consumed_train_samples, elapsed * 1000.0, lr,
-                    a.global_batch_size, avg, self.optimizer.loss_scale_value(), grad_norm,
-                    self.skipped_iters, self.nan_iters, tflops, tok_s if a.log_throughput else None))
+                    self.iteration, t.train_iters, self.consumed_train_samples, elapsed * 1000.0, lr,
+                    t.global_batch_size, avg, self.optimizer.loss_scale_value(), grad_norm,
+                    self.skipped_iters, self.nan_iters, tflops, tok_s if log.log_throughput else None))
                 window_time, window_iters, window_losses = 0.0, 0, {}
-            if self.iteration % a.tensorboard_log_interval == 0:
+            if self.iteration % log.tensorboard_log_interval == 0:
                 self.tb.scalars(self.iteration, {
                     "lm loss": losses.get("lm loss"), "learning-rate": lr, "grad-norm": grad_norm,
-                    "loss-scale": self.optimizer.loss_scale_value(), "batch-size": a.global_batch_size,
+                    "loss-scale": self.optimizer.loss_scale_value(), "batch-size": t.global_batch_size,
                     "throughput-tflops-per-gpu": flops_per_iter / (dt * ps.world_size * 1e12),
                     "tokens-per-sec": tokens_per_iter / dt,
                 })
-            if a.eval_interval and self.iteration % a.eval_interval == 0 and self.iteration < a.train_iters:
+            if t.eval_interval and self.iteration % t.eval_interval == 0 and self.iteration < t.train_iters:
                 self.evaluate("valid", "validation")
                 t_end = None
-            if a.save_interval and self.iteration % a.save_interval == 0:
+            if save_interval and self.iteration % save_interval == 0:
                 self.save()
                 t_end = None
             if stop_after_ahead is not None:
                 exited = stop_after_ahead
-            elif a.exit_interval and self.iteration % a.exit_interval == 0:
+            elif t.exit_interval and self.iteration % t.exit_interval == 0:
                 exited = "exit-interval"
-            elif self._should_exit_for_time(start_time):
-                exited = "exit-duration-in-mins"
+            else:
+                exited = self._should_exit_for_time(start_time)
             if exited and ahead is not None:
                 stop_after_ahead, exited = exited, None  # the launched step runs to its end and counts first
                 continue
             if exited:
-                if not (a.save_interval and self.iteration % a.save_interval == 0):
+                if not (save_interval and self.iteration % save_interval == 0):
                     self.save()
                 print_rank_0(f"exiting at iteration {self.iteration} ({exited})")
                 break
         return {"history": history, "train_time": total_train_time, "exited": exited, "iterations_run": n_run}
 
 
-def _build_iterators(args, pstate, datasets_provider, consumed_train: int, consumed_valid: int, chunks: int):
+def _build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: int, consumed_valid: int,
+                     chunks: int):
     """One iterator per model chunk for train/valid/test on ranks that read data (TP rank 0)."""
     from megatron.core.datasets.samplers import build_pretraining_data_loader
 
-    gbs = args.global_batch_size
-    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_iters else 0
-    num_samples = (args.train_iters * gbs, eval_runs * args.eval_iters * gbs, args.eval_iters * gbs)
-    train_ds, valid_ds, test_ds = datasets_provider(args, pstate, num_samples)
+    t, pstate = ctx.config.training, ctx.pstate
+    gbs = t.global_batch_size
+    eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_iters else 0
+    num_samples = (t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs)
+    train_ds, valid_ds, test_ds = datasets_provider(ctx, num_samples)
+    if num_samples[0] > 0 and train_ds is None:
+        raise SharedError(f"--split {ctx.config.data.split} leaves no training data, but {t.train_iters} training "
+                          "iterations were asked for; give the train split a share")
     if pstate.tp_rank != 0:
         return {"train": [None] * chunks, "valid": [None] * chunks, "test": [None] * chunks}
 
@@ -300,8 +379,8 @@ def _build_iterators(args, pstate, datasets_provider, consumed_train: int, consu
             return None
         out = []
         for _ in range(chunks):
-            loader = build_pretraining_data_loader(ds, consumed, args.micro_batch_size, pstate.dp_rank,
-                                                   pstate.dp_size, num_workers=args.num_workers)
+            loader = build_pretraining_data_loader(ds, consumed, t.micro_batch_size, pstate.dp_rank,
+                                                   pstate.dp_size, num_workers=ctx.config.data.num_workers)
             out.append(iter(loader))
         return out
 
@@ -309,46 +388,77 @@ def _build_iterators(args, pstate, datasets_provider, consumed_train: int, consu
             "test": loaders(test_ds, 0)}
 
 
-def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_provider: Callable,
-             argv: Optional[List[str]] = None) -> dict:
-    """Run a whole pretraining job; returns a summary (used by tests)."""
-    start_time = time.time()
-    world = initialize_distributed()
-    args = parse_args(argv, world_size=world)
-    if args.distributed_backend and dist.is_initialized() and dist.get_backend() != args.distributed_backend:
-        raise ValueError(f"--distributed-backend {args.distributed_backend} but the process group uses "
-                         f"{dist.get_backend()}")
-    pstate = ParallelState.build(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                 args.virtual_pipeline_model_parallel_size)
-    print_rank_0(f"> {pstate.describe()}, {args.num_microbatches} microbatches of {args.micro_batch_size} "
-                 f"per step, global batch {args.global_batch_size}")
-    # Megatron offsets the seed per pipeline stage so different stages draw independent dropout masks.
-    tensor_parallel.model_parallel_seed(args.seed + 100 * pstate.pp_rank, pstate)
+def build_context(cfg: RunConfig, pstate: ParallelState) -> TrainingContext:
+    """The tokenizer and the values derived from it, computed once for the whole run."""
+    from megatron.core.tokenizer import build_tokenizer
 
-    raw_chunks = model_provider(args, pstate)
-    ddp_cfg = DDPConfig(overlap_grad_reduce=args.overlap_grad_reduce,
-                        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size)
+    d = cfg.data
+    try:
+        tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                    tokenizer_model=d.tokenizer_model)
+    except (ValueError, OSError) as exc:
+        raise SharedError(f"--tokenizer-type {d.tokenizer_type}: {exc}") from None
+    padded = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, pstate.tp_size)
+    print_rank_0(f"> vocabulary {tokenizer.vocab_size} padded to {padded}")
+    return TrainingContext(config=cfg, pstate=pstate, tokenizer=tokenizer, padded_vocab_size=padded,
+                           eod_id=tokenizer.eod)
+
+
+def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_provider: Callable,
+             argv: Optional[List[str]] = None, extra_sections: Sequence = ()) -> dict:
+    """Run a whole pretraining job; returns a summary (used by tests).
+
+    ``model_provider(ctx)`` returns this rank's model chunks; ``forward_step_func(ctx, data_iterator, model)``
+    returns ``(output, loss_func)``; ``datasets_provider(ctx, (n_train, n_valid, n_test))`` returns the three
+    datasets; ``ctx`` is a ``TrainingContext``. ``extra_sections``: the entry point's own ``ExtraSection`` s.
+    """
+    start_time = time.time()
+    cfg, notes = parse_config(argv, world_size=world_size_from_env(), extra_sections=extra_sections)
+    if _env_rank() == 0:
+        for note in notes:
+            print(note, flush=True)
+    initialize_distributed(cfg.parallel)
+    par, t = cfg.parallel, cfg.training
+    import datetime
+
+    pstate = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                 par.virtual_pipeline_model_parallel_size,
+                                 timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
+    print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
+                 f"per step, global batch {t.global_batch_size}")
+    # Megatron offsets the seed per pipeline stage so different stages draw independent dropout masks.
+    tensor_parallel.model_parallel_seed(t.seed + 100 * pstate.pp_rank, pstate)
+    ctx = build_context(cfg, pstate)
+
+    raw_chunks = model_provider(ctx)
+    ddp_cfg = DDPConfig(overlap_grad_reduce=par.overlap_grad_reduce,
+                        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                        bucket_size=par.ddp_bucket_size)
     model = [DistributedDataParallel(chunk, pstate=pstate, config=ddp_cfg) for chunk in raw_chunks]
     n_params = sum(p.numel() for chunk in raw_chunks for p in chunk.parameters())
     print_rank_0(f"> parameters on (tensor, pipeline) rank ({pstate.tp_rank}, {pstate.pp_rank}): {n_params:,}")
 
-    trainer = Trainer(args, pstate, model, forward_step_func, {})
+    flops = num_floating_point_operations(cfg.model, ctx.padded_vocab_size, t.global_batch_size)
+    trainer = Trainer(cfg, pstate, model, functools.partial(forward_step_func, ctx), {}, flops)
     from megatron.core.optimizer import optimizer_memory_report
 
     report = optimizer_memory_report(trainer.optimizer, model)
     print_rank_0("> memory per rank (bytes): " + ", ".join(f"{k} {v:,}" for k, v in report.items()))
-    if args.load and checkpointing.latest_iteration(args.load) is not None:
+    ck = cfg.checkpointing
+    if ck.load and checkpointing.latest_iteration(ck.load) is not None:
         trainer.iteration, trainer.consumed_train_samples = checkpointing.load_checkpoint(
-            model, trainer.optimizer, trainer.scheduler, args, pstate)
-        print_rank_0(f"> loaded checkpoint from {args.load} at iteration {trainer.iteration}")
-    elif args.load:
-        print_rank_0(f"> no checkpoint found in {args.load}; starting from scratch")
+            model, trainer.optimizer, trainer.scheduler, ck, pstate)
+        print_rank_0(f"> loaded checkpoint from {ck.load} at iteration {trainer.iteration}")
+    elif ck.load and ck.exit_on_missing_checkpoint:
+        raise SharedError(f"--exit-on-missing-checkpoint: no checkpoint in --load {ck.load}")
+    elif ck.load:
+        print_rank_0(f"> no checkpoint found in {ck.load}; starting from scratch")
 
-    consumed_valid = (trainer.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-    trainer.iterators = _build_iterators(args, pstate, datasets_provider, trainer.consumed_train_samples,
+    consumed_valid = (trainer.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+    trainer.iterators = _build_iterators(ctx, datasets_provider, trainer.consumed_train_samples,
                                          consumed_valid, len(model))
     summary = {"iteration": trainer.iteration}
-    if not args.skip_train and trainer.iteration < args.train_iters:
+    if not t.skip_train and trainer.iteration < t.train_iters:
         result = trainer.run(start_time)
         for chunk in model:  # --overlap-param-gather leaves the last all-gathers in flight
             chunk.finish_param_sync()
@@ -357,10 +467,10 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
         if result["exited"]:
             trainer.tb.close()
             return summary
-        if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
+        if ck.save and not (ck.save_interval and trainer.iteration % ck.save_interval == 0):
             trainer.save()
         per_iter = result["train_time"] / max(1, result["iterations_run"])
-        tflops = num_floating_point_operations(args, args.global_batch_size) / (per_iter * pstate.world_size * 1e12)
+        tflops = flops / (per_iter * pstate.world_size * 1e12)
         print_rank_last(f"training finished at iteration {trainer.iteration}: {result['iterations_run']} iterations "
                         f"in {result['train_time']:.1f} s, "
                         f"{per_iter * 1000:.1f} ms/iteration, {tflops:.3f} TFLOP/s/GPU")
@@ -371,15 +481,37 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
 
 
 def main_entry(run: Callable[[], object]) -> None:
-    """Run an entry point; flag and checkpoint errors end the process with status 2 and one clear line."""
+    """Run an entry point; configuration, data and checkpoint errors end the process with status 2 and one line.
+
+    An error every rank shares (``SharedError``: flags, rank 0's data errors, a non-finite loss) is printed by
+    rank 0 only; the other ranks wait a moment before exiting so that a launcher stopping the job on the first
+    exit does not cut rank 0 off before it prints.
+    """
     try:
         run()
         if dist.is_initialized():
             _sync()
             dist.barrier()  # no rank tears its process group down while a peer still communicates
+    except SharedError as exc:
+        if _env_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(3.0)
+        _exit(2)
     except (ValueError, checkpointing.CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit(2)
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        print(f"error: a collective on rank {_env_rank()} waited longer than --distributed-timeout-minutes "
+              f"(another rank stopped or died): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        _exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.exit(code)

@@ -57,10 +57,11 @@ def _free_port() -> int:
 
 
 def run_pretrain(argv: List[str], nproc: int = 1, timeout: int = 600, expect_ok: bool = True,
-                 script: str = "pretrain_gpt.py", env: Optional[dict] = None) -> subprocess.CompletedProcess:
+                 script: str = "pretrain_gpt.py", env: Optional[dict] = None,
+                 launcher: str = "torch.distributed.run") -> subprocess.CompletedProcess:
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
+        cmd += ["-m", launcher, "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
     cmd += [os.path.join(ROOT, script)] + argv
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     full_env.pop("CUDA_VISIBLE_DEVICES", None)

@@ -8,8 +8,6 @@ launched, that a step runs ahead wherever the rules allow, and that an exit wait
 
 import types
 
-import pytest
-
 from megatron.training import training
 from megatron.training.scheduler import OptimizerParamScheduler
 
@@ -27,11 +25,16 @@ class _Recorder(training.Trainer):
     """A Trainer whose step, evaluation, save and time check only record what the loop asks for."""
 
     def __init__(self, graph: bool, exit_for_time_at=None, **args):
-        base = dict(train_iters=12, global_batch_size=8, seq_length=16, log_interval=1, log_throughput=False,
-                    tensorboard_log_interval=1, eval_interval=None, save_interval=None, exit_interval=None,
-                    enable_cuda_graph=graph, save="ckpt")
-        base.update(args)
-        self.args = types.SimpleNamespace(**base)
+        training_cfg = dict(train_iters=12, global_batch_size=8, eval_interval=None, exit_interval=None,
+                            enable_cuda_graph=graph, check_for_nan_in_loss_and_grad=False)
+        ckpt_cfg = dict(save="ckpt", save_interval=None)
+        for key, value in args.items():
+            (ckpt_cfg if key in ckpt_cfg else training_cfg)[key] = value
+        self.train_cfg = types.SimpleNamespace(**training_cfg)
+        self.ckpt_cfg = types.SimpleNamespace(**ckpt_cfg)
+        self.log_cfg = types.SimpleNamespace(log_interval=1, log_throughput=False, tensorboard_log_interval=1)
+        self.activation_shape = {"seq_length": 16}
+        self.flops_per_iteration = 1.0
         self.pstate = types.SimpleNamespace(is_pipeline_last_stage=True, world_size=1)
         self.model = []
         self.optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.0}], loss_scale_value=lambda: 1.0)
@@ -67,12 +70,9 @@ class _Recorder(training.Trainer):
         self.events.append(("save", self.iteration, len(self.unread)))
 
     def _should_exit_for_time(self, start):
-        return self.exit_for_time_at is not None and self.iteration >= self.exit_for_time_at
-
-
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch):
-    monkeypatch.setattr(training, "num_floating_point_operations", lambda args, batch: 1.0)
+        if self.exit_for_time_at is not None and self.iteration >= self.exit_for_time_at:
+            return "exit-duration-in-mins"
+        return None
 
 
 def _ahead_launches(t):

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from megatron.training.arguments import pad_vocab_size, parse_args
+from megatron.training.arguments import ConfigError, pad_vocab_size, parse_config
 from megatron.training.logging import format_eval_line, format_iteration_line, num_floating_point_operations
 from megatron.training.scheduler import OptimizerParamScheduler
 
@@ -77,10 +77,15 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--data-path", "x"]
 
 
+def parse_args(argv, world_size=1):
+    return parse_config(argv, world_size=world_size)[0]
+
+
 def _err(capsys, argv, world=1):
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError) as err:
         parse_args(BASE + argv, world_size=world)
-    return capsys.readouterr().err
+    assert "\n" not in str(err.value) and "usage:" not in str(err.value)
+    return str(err.value)
 
 
 @pytest.mark.parametrize("argv,world,needle", [
@@ -93,14 +98,15 @@ def _err(capsys, argv, world=1):
     (["--lr-decay-style", "step"], 1, "--lr-decay-style"),
     (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in [0, 1)"),
     (["--recompute-granularity", "full"], 1, "--recompute-method"),
-    (["--num-experts", "8"], 1, "--num-experts is a Megatron-LM flag this framework does not support"),
+    (["--num-experts", "8"], 1, "--num-experts is a Megatron-LM flag for mixture of experts"),
     (["--position-embedding-type", "rope"], 1, "--position-embedding-type rope is not supported"),
     (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
+    (["--hiden-size", "8"], 1, "unrecognized arguments: --hiden-size 8 (did you mean --hidden-size"),
     (["--fp8-format", "hybrid"], 1, "--fp8-format needs --bf16"),
     (["--fp8-format", "hybrid", "--bf16", "--use-torch-compile"], 1, "does not combine with --use-torch-compile"),
     (["--fp8-format", "e4m3", "--bf16", "--seq-length", "20", "--max-position-embeddings", "20"], 1,
      "multiples of 16: --micro-batch-size x --seq-length = 40"),
-    (["--fp8-recipe", "mxfp8"], 1, "--fp8-recipe mxfp8 is not supported; supported: tensorwise, delayed"),
+    (["--fp8-recipe", "mxfp8"], 1, "argument --fp8-recipe: invalid choice: 'mxfp8'"),
     (["--fp8-format", "hybrid", "--bf16", "--fp8-amax-history-len", "1024"], 1, "need --fp8-recipe delayed"),
     (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "0"], 1,
      "--fp8-amax-history-len must be >= 1"),
@@ -113,17 +119,18 @@ def test_bad_flags_are_named(capsys, argv, world, needle):
 
 def test_derived_values():
     a = parse_args(BASE + ["--global-batch-size", "16", "--lr-warmup-fraction", "0.2"], world_size=2)
-    assert (a.data_parallel_size, a.num_microbatches, a.ffn_hidden_size) == (2, 4, 128)
-    assert (a.lr_decay_iters, a.lr_warmup_iters, a.max_position_embeddings) == (10, 2, 16)
+    assert (a.parallel.data_parallel_size, a.training.num_microbatches, a.model.ffn_hidden_size) == (2, 4, 128)
+    assert (a.scheduler.lr_decay_iters, a.scheduler.lr_warmup_iters, a.model.max_position_embeddings) == (10, 2, 16)
     b = parse_args([x for x in BASE if x not in ("--train-iters", "10")] + ["--train-samples", "40"], world_size=1)
-    assert b.train_iters == 20
+    assert b.training.train_iters == 20
 
 
 @pytest.mark.parametrize("flag,backend", [("auto", "sdpa"), ("flash", "flash"), ("fused", "cudnn"),
                                           ("unfused", "unfused"), ("local", "unfused")])
 def test_attention_backend_flag_maps_to_a_kernel(flag, backend):
-    assert parse_args(BASE + ["--attention-backend", flag]).attention_backend == backend
-    assert parse_args(BASE + ["--attention-backend", flag, "--no-masked-softmax-fusion"]).attention_backend == "unfused"
+    assert parse_args(BASE + ["--attention-backend", flag]).model.attention_backend == backend
+    assert parse_args(BASE + ["--attention-backend", flag, "--no-masked-softmax-fusion"]).model.attention_backend \
+        == "unfused"
 
 
 def test_fused_adamw_flag_reaches_the_optimizer_factory(monkeypatch):
@@ -133,7 +140,7 @@ def test_fused_adamw_flag_reaches_the_optimizer_factory(monkeypatch):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.fused_adamw import FusedAdamW
 
-    assert parse_args(BASE).fused_adamw and not parse_args(BASE + ["--no-fused-adamw"]).fused_adamw
+    assert parse_args(BASE).optimizer.fused_adamw and not parse_args(BASE + ["--no-fused-adamw"]).optimizer.fused_adamw
     groups = lambda: [{"params": [torch.nn.Parameter(torch.zeros(4))]}]  # noqa: E731
     cpu = torch.device("cpu")
     assert not isinstance(factory.make_torch_optimizer(OptimizerConfig(bf16=True), groups(), cpu, True), FusedAdamW)
@@ -145,10 +152,11 @@ def test_fused_adamw_flag_reaches_the_optimizer_factory(monkeypatch):
 
 
 def test_flops_formula_matches_megatron_per_token_count():
-    class A:
-        hidden_size, num_layers, seq_length, ffn_hidden_size, padded_vocab_size = 2048, 24, 2048, 8192, 50304
+    model = parse_args(["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+                        "--seq-length", "2048", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1",
+                        "--data-path", "x"]).model
     per_token = 72 * 24 * 2048**2 + 12 * 24 * 2048 * 2048 + 6 * 2048 * 50304
-    assert num_floating_point_operations(A, 8) == pytest.approx(per_token * 8 * 2048)
+    assert num_floating_point_operations(model, 50304, 8) == pytest.approx(per_token * 8 * 2048)
 
 
 def test_iteration_line_has_megatron_fields():
@@ -189,7 +197,8 @@ def test_cuda_graph_accepts_mlp_act_recompute(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     a = parse_args(BASE + ["--enable-cuda-graph", "--attention-dropout", "0", "--bf16", "--recompute-granularity",
                            "selective", "--recompute-modules", "mlp_act"], world_size=1)
-    assert a.enable_cuda_graph and a.recompute_modules == ["mlp_act"] and a.cuda_graph_warmup_steps == 3
+    assert a.training.enable_cuda_graph and a.model.recompute_modules == ("mlp_act",)
+    assert a.training.cuda_graph_warmup_steps == 3
 
 
 def test_microbatch_means_are_what_the_eager_step_and_the_cuda_graph_report():

@@ -304,12 +304,13 @@ class RowParallelLinear(nn.Module):
         cfg = self.config
         if self.input_bias_gelu:
             recompute = self.recompute_input_gelu and self.training
+            fused = cfg.use_fused_kernels and cfg.bias_gelu_fusion  # --no-bias-gelu-fusion
             if recompute or cfg.fp8 is not None:
-                return bias_gelu_linear(x, x_bias, self.weight, use_fused=cfg.use_fused_kernels,
+                return bias_gelu_linear(x, x_bias, self.weight, use_fused=fused,
                                         gradient_accumulation_fusion=self.gradient_accumulation_fusion,
                                         fp8_format=cfg.fp8, fp8_margin=cfg.fp8_margin, recompute=recompute,
                                         fp8_sites=self.fp8_sites)
-            x = bias_gelu(x, x_bias, use_fused=cfg.use_fused_kernels)  # [s, b, in/tp]
+            x = bias_gelu(x, x_bias, use_fused=fused)  # [s, b, in/tp]
         return _linear(x, self.weight, None, self.gradient_accumulation_fusion, cfg, self.fp8_sites)
 
     def extra_repr(self) -> str:

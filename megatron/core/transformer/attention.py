@@ -95,11 +95,7 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, config: TransformerConfig, pstate: ParallelState):
         super().__init__()
-        if config.num_attention_heads % pstate.tp_size != 0:
-            raise ValueError(
-                f"--num-attention-heads ({config.num_attention_heads}) must be divisible by "
-                f"--tensor-model-parallel-size ({pstate.tp_size})"
-            )
+        config.check_tensor_parallel(pstate.tp_size)
         self.config = config
         self.heads_per_rank = config.num_attention_heads // pstate.tp_size
         self.head_dim = config.kv_channels

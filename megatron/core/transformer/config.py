@@ -41,6 +41,11 @@ class TransformerConfig:
     # (SDPA restricted to that kernel; CUDA only), or "unfused" (explicit scale-mask-softmax)
     attention_backend: str = "sdpa"
     use_fused_kernels: bool = True  # fused element-wise kernels on CUDA; plain PyTorch elsewhere
+    # each fusion alone (--no-bias-gelu-fusion, --no-bias-dropout-fusion, --no-persist-layer-norm); a kernel is
+    # fused when use_fused_kernels and its own switch are both on
+    bias_gelu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    layernorm_fusion: bool = True
     # weight-gradient GEMMs accumulate straight into the fp32 main_grad buffer (CUDA; a no-op elsewhere)
     gradient_accumulation_fusion: bool = True
     # FP8 GEMMs in the transformer layers' linears: None or one of fp8.FP8_FORMATS (megatron/core/fusions/fp8.py)
@@ -99,6 +104,18 @@ class TransformerConfig:
         if self.fp8_amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(f"--fp8-amax-compute-algo must be one of {', '.join(AMAX_COMPUTE_ALGOS)}, "
                              f"got {self.fp8_amax_compute_algo}")
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """The shape constraints of splitting this model over ``tp_size`` tensor-parallel ranks."""
+        if self.num_attention_heads % tp_size:
+            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp_size})")
+        if self.ffn_hidden_size % tp_size:
+            raise ValueError(f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp_size})")
+        if self.sequence_parallel and self.seq_length % tp_size:
+            raise ValueError(f"--seq-length ({self.seq_length}) must be divisible by --tensor-model-parallel-size "
+                             f"({tp_size}) under --sequence-parallel")
 
     def recomputes(self, module: str) -> bool:
         """True when selective recomputation covers ``module`` ("core_attn" or "mlp_act")."""

@@ -30,7 +30,7 @@ class LayerNorm(nn.Module):
             declare_grad_sink(p, config.gradient_accumulation_fusion)
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.use_fused = config.use_fused_kernels
+        self.use_fused = config.use_fused_kernels and config.layernorm_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma, use_fused=self.use_fused)
@@ -71,7 +71,7 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``attention_mask``: optional bool key-padding mask ``[b, 1, 1, s]`` (True = masked out); only with
         ``config.attention_mask_type == "padding"``."""
-        p, fused = self.config.hidden_dropout, self.config.use_fused_kernels
+        p, fused = self.config.hidden_dropout, self.config.use_fused_kernels and self.config.bias_dropout_fusion
         normed, residual = self._norm(self.input_layernorm, hidden)
         attn_out, attn_bias = self.self_attention(normed, attention_mask)
         with self._dropout_rng():

@@ -1,0 +1,229 @@
+"""Every command-line flag Megatron-LM's ``megatron/arguments.py`` and ``megatron/training/arguments.py`` defined over
+their history (first version 83aa92197a, 2020-03-27; last d98e8a64dd, 2026-08-22): 924 names.
+
+Collected once from the public repository with
+``for c in $(git log --format=%H -- FILE); do git show $c:FILE | grep -oE "['\"]--[A-Za-z0-9][A-Za-z0-9_-]*['\"]"; done``
+for both files; ``flag_table.py`` puts each in exactly one class.
+"""
+
+MEGATRON_FLAGS = tuple("""
+--DDP-impl --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+--accumulate-allreduce-grads-in-fp32 --activation-func-clamp-value --activations-checkpoint-method
+--activations-checkpoint-num-layers --adam-beta1 --adam-beta2 --adam-eps --add-qkv-bias --adlr-autoresume
+--adlr-autoresume-interval --align-param-gather --allow-ambiguous-pad-tokens --allow-trivial-doc --app-tag-run-name
+--app-tag-run-version --apply-layernorm-1p --apply-query-key-layer-scaling
+--apply-residual-connection-post-layernorm --apply-wd-to-qk-layernorm --async-indexer --async-save
+--async-tensor-model-parallel-allreduce --async-tensor-parallel-allreduce --attention-backend --attention-dropout
+--attention-output-gate --attention-softmax-in-fp32 --auto-detect-ckpt-format --batch-invariant-mode --batch-size
+--bert-embedder-type --bert-load --bert-no-binary-head --bf16 --bias-dropout-fusion --bias-gelu-fusion
+--bias-swiglu-fusion --biencoder-projection-dim --biencoder-shared-query-context-model --block-data-path
+--block-index-path --block-top-k --cache-dir --cache-mla-latents --calc-ft-timeouts --calculate-per-token-loss
+--cased-data-path --cased-vocab --check-for-large-grads --check-for-spiky-loss
+--check-weight-hash-across-dp-replicas-interval --checkpoint-activations --checkpoint-attention
+--checkpoint-granularity --checkpoint-method --checkpoint-num-layers --ckpt-assume-constant-structure
+--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format
+--ckpt-drop-redundant-extra-state --ckpt-format --ckpt-fully-parallel-load --ckpt-fully-parallel-save --ckpt-step
+--classes-fraction --clip-grad --cloze-eval --config-logger-dir --context-parallel-size --cp-comm-type
+--cpu-offloading-num-layers --create-all-gather-group --cross-entropy-fusion-impl --cross-entropy-loss-fusion
+--cuda-graph-impl --cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps --data-args-path
+--data-cache-path --data-epochs --data-impl --data-loader --data-parallel-random-init
+--data-parallel-sharding-strategy --data-path --data-per-class-fraction --dataloader-defer-npy-index-mmap
+--dataloader-fast-cache-load --dataloader-inter-document-masking --dataloader-type --dataloader_type
+--ddp-average-in-collective --ddp-bucket-size --ddp-num-buckets --ddp-pad-buckets-for-high-nccl-busbw
+--ddp-param-name-patterns-for-fp32-local-accumulation --ddp-reduce-scatter-with-fp32-accumulation
+--deallocate-pipeline-outputs --debug --decode-only-cuda-graphs --decoder-first-pipeline-num-layers
+--decoder-last-pipeline-num-layers --decoder-num-layers --decoder-seq-length --decoupled-lr --decoupled-min-lr
+--decrease-batch-size-if-needed --deep-init --defer-embedding-wgrad-compute --delay-param-gather
+--delay-wgrad-compute --delim --deterministic-mode --dino-bottleneck-size --dino-freeze-last-layer
+--dino-head-hidden-size --dino-local-crops-number --dino-local-img-size --dino-norm-last-layer --dino-teacher-temp
+--dino-warmup-teacher-temp --dino-warmup-teacher-temp-epochs --disable-bf16-reduced-precision-matmul
+--disable-bias-linear --disable-chunked-prefill --disable-gloo-process-groups --disable-jit-fuser
+--disable-mamba-mem-eff-path --disable-msc --disable-straggler-on-startup --disable-symmetric-registration
+--disable-tp-comm-bulk-dgrad --disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs
+--disable-tp-comm-split-ag --disable-tp-comm-split-rs --disrib-opt-comm-mem-savings --dist-ckpt-format
+--dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 --dist-ckpt-strictness --dist-ckpt-workers
+--distrib-opt-comm-mem-savings --distrib-optim-fully-reshardable-mem-efficient --distribute-checkpointed-activations
+--distribute-recomputed-activations --distribute-saved-activations --distributed-backend
+--distributed-timeout-minutes --distributed-timeout-seconds-after-init --dsa-indexer-head-dim
+--dsa-indexer-loss-coeff --dsa-indexer-n-heads --dsa-indexer-topk --dsa-indexer-use-sparse-loss
+--dump-param-to-param-group-map --embedding-init-method-std --embedding-path --embedding-weights-in-fp32
+--empty-unused-memory-each-iter --empty-unused-memory-level --enable-chunked-prefill --enable-cuda-graph
+--enable-experimental --enable-ft-package --enable-full-sharding-in-hsdp --enable-msc --enable-one-logger
+--enable-onelogger --encoder-num-layers --encoder-pipeline-model-parallel-size --encoder-seq-length
+--encoder-tensor-model-parallel-size --end-wd --end-weight-decay --eod-mask-loss
+--ep-overlap-early-attn-memory-release --erf-gelu --error-injection-rate --error-injection-type --eval-batch-size
+--eval-hf --eval-interval --eval-iters --eval-max-preds-per-seq --eval-seq-length --eval-text-key
+--evidence-data-path --exit-duration-in-mins --exit-interval --exit-on-missing-checkpoint --exit-signal
+--exit-signal-handler --exp-avg-dtype --exp-avg-sq-dtype --experimental-attention-variant
+--expert-model-parallel-size --expert-parallel --expert-tensor-parallel-size --external-cuda-graph --faiss-use-gpu
+--fake-process-group --ffn-hidden-size --fim-data --fim-eod-token --fim-fragment-rate --fim-middle-token
+--fim-no-prefix --fim-pad-token --fim-prefix-token --fim-rate --fim-split-sample --fim-spm-rate --fim-suffix-token
+--fine-grained-activation-offloading --finetune --first-last-layers-bf16 --flash-decode --fp16
+--fp16-lm-cross-entropy --fp32-allreduce --fp32-embedding --fp32-layernorm --fp32-residual-connection
+--fp32-tokentypes --fp4-format --fp4-param-gather --fp4-quantizer-factory --fp4-recipe --fp8-amax-compute-algo
+--fp8-amax-history-len --fp8-e4m3 --fp8-format --fp8-hybrid --fp8-interval --fp8-margin --fp8-param-gather
+--fp8-quantizer-factory --fp8-recipe --freeze-all-layers --fsdp-db-use-persist-buf-on-alloc-fail
+--fsdp-double-buffer --fsdp-manual-registration --ft-num-warmup-iters --full-validation --genfile
+--global-batch-size --glu-linear-offset --grad-reduce-in-bf16 --greedy --group-query-attention
+--grpo-clamp-eps-lower --grpo-clamp-eps-upper --grpo-default-temperature --grpo-default-top-p
+--grpo-entropy-term-weight --grpo-filter-groups-with-same-reward --grpo-group-size --grpo-iterations --grpo-kl-beta
+--grpo-prompts-per-step --gtp-expert-remat-nccl-ub --gtp-remat-nccl-ub
+--gtp-remat-reduce-scatter-with-fp32-accumulation --hash-data-path --head-lr-mult
+--heterogeneous-layers-config-encoded-json --heterogeneous-layers-config-path --hidden-dropout --hidden-size
+--hierarchical-context-parallel-sizes --high-priority-stream-groups --hybrid-attention-ratio
+--hybrid-context-parallel --hybrid-layer-pattern --hybrid-mlp-ratio --hybrid-override-pattern --hysteresis
+--ict-head-size --ict-load --ict-one-sent --img-dim --img-h --img-w --index-reload-interval --indexer-batch-size
+--indexer-log-interval --inference-batch-times-seqlen-threshold --inference-coordinator-port
+--inference-cuda-graph-all-prefills --inference-cuda-graph-max-tokens --inference-disable-ep-consensus
+--inference-dynamic-batching --inference-dynamic-batching-active-buffer-size-gb
+--inference-dynamic-batching-async-sched-mode --inference-dynamic-batching-block-size
+--inference-dynamic-batching-buffer-guaranteed-fraction --inference-dynamic-batching-buffer-overflow-factor
+--inference-dynamic-batching-buffer-size-gb --inference-dynamic-batching-chunk-size
+--inference-dynamic-batching-cuda-graph-max-tokens --inference-dynamic-batching-cuda-graph-mixed-prefill-count
+--inference-dynamic-batching-cuda-graph-sizing-distribution --inference-dynamic-batching-logprobs-mode
+--inference-dynamic-batching-mamba-memory-ratio --inference-dynamic-batching-mamba-triton-conv1d
+--inference-dynamic-batching-max-requests --inference-dynamic-batching-max-requests-override
+--inference-dynamic-batching-max-tokens --inference-dynamic-batching-max-tokens-override
+--inference-dynamic-batching-num-cuda-graphs --inference-dynamic-batching-paused-buffer-size-gb
+--inference-dynamic-batching-prefix-caching --inference-dynamic-batching-prefix-caching-coordinator-policy
+--inference-dynamic-batching-prefix-caching-eviction-policy --inference-dynamic-batching-prefix-caching-mamba-gb
+--inference-dynamic-batching-prefix-caching-routing-alpha --inference-dynamic-batching-sampling-backend
+--inference-dynamic-batching-track-generated-token-events --inference-dynamic-batching-track-paused-request-events
+--inference-dynamic-batching-unified-memory-level --inference-flask-server-logging --inference-fuse-tp-communication
+--inference-logging-step-interval --inference-max-batch-size --inference-max-requests --inference-max-seq-length
+--inference-mp-coordinator-port --inference-rng-tracker --inference-shards --inference-text-gen-server-logging
+--inference-use-synchronous-zmq-collectives --inference-wandb-logging --inference-wandb-logging-step-interval
+--init-method-std --init-method-xavier-uniform --init-model-with-meta-device --initial-loss-scale
+--initialize-socket-comms --inprocess-active-world-size --inprocess-barrier-timeout --inprocess-completion-timeout
+--inprocess-empty-cuda-cache --inprocess-granularity --inprocess-hard-timeout --inprocess-heartbeat-interval
+--inprocess-heartbeat-timeout --inprocess-last-call-wait --inprocess-max-iterations
+--inprocess-monitor-process-interval --inprocess-monitor-thread-interval --inprocess-progress-watchdog-interval
+--inprocess-restart --inprocess-soft-timeout --inprocess-termination-grace-time --input-data-sizes-file
+--inter-layer-model-parallel-size --intermediate-size --intra-layer-model-parallel-size --is-hybrid-model
+--iter-per-epoch --iterations-to-skip --keep-fp8-transpose-cache --keep-fp8-transpose-cache-when-using-custom-fsdp
+--kitchen-attention-backend --kitchen-config-file --kitchen-recipe-number --kv-channels --kv-lora-rank
+--langrl-env-config --langrl-external-server --langrl-inference-server-conversation-template
+--langrl-inference-server-type --layernorm-epsilon --lazy-mpu-init --legacy-tokenizer --linear-attention-freq
+--linear-conv-kernel-dim --linear-key-head-dim --linear-num-key-heads --linear-num-value-heads
+--linear-value-head-dim --lion-beta1 --lion-beta2 --load --load-main-params-from-ckpt --load-model-opt-format
+--load-openai --local-rank --local_rank --log-batch-size-to-tensorboard --log-device-memory-used --log-energy
+--log-interval --log-max-attention-logit --log-memory-interval --log-memory-to-tensorboard --log-num-zeros-in-grad
+--log-params-norm --log-progress --log-straggler --log-throughput --log-timers-to-tensorboard
+--log-validation-ppl-to-tensorboard --log-world-size-to-tensorboard --log-zeros --logging-level
+--logits-load-decode-threads --logits-load-dir --logits-load-ignore-errors --logits-load-kd-loss-alpha
+--logits-load-msc-prefetch-depth --logits-load-prefetch-factor --logits-save-dir --logits-save-dtype
+--logits-save-top-k --logits-save-top-p --logits-save-top-p-min-k --loose-json --loss-scale --loss-scale-window --lr
+--lr-decay-iters --lr-decay-samples --lr-decay-style --lr-warmup-fraction --lr-warmup-init --lr-warmup-iters
+--lr-warmup-percent --lr-warmup-samples --lr-wsd-decay-iters --lr-wsd-decay-samples --lr-wsd-decay-style
+--main-grads-dtype --main-params-dtype --make-vocab-size-divisible-by --mamba-head-dim
+--mamba-inference-conv-states-dtype --mamba-inference-ssm-states-dtype --mamba-num-groups --mamba-num-heads
+--mamba-state-dim --mamba-training-ssm-states-dtype --manual-gc --manual-gc-interval --mask-factor --mask-prob
+--mask-type --max-num-samples --max-position-embeddings --max-preds-per-seq --max-seqlen-per-cp-rank
+--max-seqlen-per-dp-cp-rank --max-tokens-to-oom --max-training-rank --megatron-fsdp-enable-fine-grained-param-gather
+--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype --megatron-fsdp-main-params-dtype
+--megatron-fsdp-max-pool-double-buffer --megatron-fsdp-version --memory-snapshot-path --merge-file
+--micro-batch-size --microbatch-group-size-per-virtual-pipeline-stage --mid-level-dataset-surplus --min-loss-scale
+--min-lr --min-offloaded-tensor-size --min-scale --mla-down-proj-fusion --mlp-chunks-for-prefill --mmap-warmup
+--mock-data --model-parallel-memory-opt --model-parallel-size --model-spec --moe-apply-probs-on-input
+--moe-aux-loss-coeff --moe-deepep-num-sms --moe-enable-deepep --moe-enable-routing-replay
+--moe-expert-capacity-factor --moe-extended-tp --moe-ffn-hidden-size --moe-flex-dispatcher-backend --moe-frequency
+--moe-grouped-gemm --moe-hybridep-num-sms --moe-input-jitter-eps --moe-latent-size --moe-layer-freq
+--moe-layer-recompute --moe-loss-coeff --moe-pad-expert-input-to-capacity --moe-pad-experts-for-cuda-graph-inference
+--moe-per-layer-logging --moe-permute-fusion --moe-router-bias-update-rate --moe-router-dtype
+--moe-router-enable-expert-bias --moe-router-force-load-balancing --moe-router-fusion --moe-router-group-topk
+--moe-router-load-balancing-type --moe-router-num-groups --moe-router-padding-for-fp8
+--moe-router-padding-for-quantization --moe-router-pre-softmax --moe-router-score-function --moe-router-topk
+--moe-router-topk-limited-devices --moe-router-topk-scaling-factor --moe-router-type --moe-shared-expert-gate
+--moe-shared-expert-intermediate-size --moe-shared-expert-overlap --moe-token-dispatcher-type
+--moe-token-drop-policy --moe-token-dropping --moe-upcycling-granularity --moe-use-legacy-grouped-gemm
+--moe-use-upcycling --moe-z-loss-coeff --mrope-section --mscale --mscale-all-dim --mtp-loss-scaling-factor
+--mtp-num-layers --multi-latent-attention --multi-query-attention --multiple-validation-sets --muon-coefficient-type
+--muon-extra-scale-factor --muon-fp32-matmul-prec --muon-momentum --muon-nesterov --muon-no-split-qkv
+--muon-num-ns-steps --muon-scalar-optimizer --muon-scale-mode --muon-tp-mode --muon-use-nesterov --muon-use-syrk
+--nccl-all-reduce-for-prefill --nccl-communicator-config-path --ner-data-path --no-align-grad-reduce
+--no-align-param-gather --no-async-tensor-model-parallel-allreduce --no-barrier-with-level-1-timing
+--no-bias-dropout-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-check-for-nan-in-loss-and-grad
+--no-ckpt-fully-parallel-save --no-clone-scatter-output-in-embedding --no-contiguous-buffers-in-local-ddp
+--no-create-attention-mask-in-dataloader --no-data-sharding --no-delay-grad-reduce --no-fp8-wgrad
+--no-gradient-accumulation-fusion --no-gradient-reduce-div-fusion --no-initialization --no-load-optim --no-load-rng
+--no-log-learnig-rate-to-tensorboard --no-log-loss-scale-to-tensorboard --no-log-memory-to-tensorboard
+--no-manual-gc-eval --no-masked-softmax-fusion --no-mmap-bin-files --no-one-logger --no-overlap-p2p-communication
+--no-persist-layer-norm --no-pin-cpu-grads --no-pin-cpu-params --no-position-embedding --no-query-key-layer-scaling
+--no-rope-freq --no-rope-fusion --no-save-optim --no-save-rng --no-scaled-masked-softmax-fusion
+--no-scatter-gather-tensors-in-pipeline --no-strict-fsdp-dtensor-load --no-use-layer-wise-param-layout
+--no-use-tokenizer-model-from-checkpoint-args --no-weight-decay-cond-type --no-yarn-correction-range-round-to-int
+--non-persistent-ckpt-type --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-algo
+--non-persistent-local-ckpt-dir --non-persistent-save-interval --norm-epsilon --normalization
+--null-tokenizer-eod-id --null-tokenizer-pad-id --num-attention-heads --num-channels --num-classes
+--num-dataset-builder-threads --num-distributed-optimizer-instances --num-experts --num-layers
+--num-layers-at-end-in-bf16 --num-layers-at-start-in-bf16 --num-layers-per-virtual-pipeline-stage --num-microbatches
+--num-microbatches-in-minibatch --num-query-groups --num-samples --num-speculative-tokens --num-unique-layers
+--num-virtual-stages-per-pipeline-rank --num-workers --object-storage-cache-path --offload-modules
+--one-logger-async --one-logger-entity --one-logger-project --one-logger-run-name --onnx-safe --openai-gelu
+--optimizer --optimizer-cpu-offload --optimizer-cuda-graph --optimizer-offload-fraction --otel-enabled
+--otel-service-name --otel-span-groups --out-seq-length --outer-dp-sharding-strategy --output-bert-embeddings
+--output-logit-dtype --overlap-cpu-optimizer-d2h-h2d --overlap-grad-reduce --overlap-moe-expert-parallel-comm
+--overlap-p2p-communication --overlap-p2p-communication-warmup-flush --overlap-param-gather
+--overlap-param-gather-with-optimizer-step --overlapping-eval --override-checkpoint-version
+--override-ckpt-iteration --override-lr-scheduler --override-opt-param-scheduler --override-opt_param-scheduler
+--padded-vocab-size --param-sharing-style --patch-dim --per-dataset-sequences-path --per-split-data-args-path
+--perform-rl-step --persistent-save-interval --phase-transition-iterations --pipeline-model-parallel-comm-backend
+--pipeline-model-parallel-layout --pipeline-model-parallel-size --pipeline-model-parallel-split-rank --pool-type
+--position-embedding-type --presplit-sentences --pretrained-bert --pretrained-checkpoint --profile --profile-ranks
+--profile-step-end --profile-step-start --projection-dim --q-lora-rank --qk-clip --qk-clip-alpha --qk-clip-threshold
+--qk-head-dim --qk-l2-norm --qk-layernorm --qk-pos-emb-head-dim --query-in-block-prob --quick-geglu
+--rampup-batch-size --recompute --recompute-activations --recompute-granularity --recompute-method
+--recompute-modules --recompute-num-layers --record-memory-history --refit-method --relative-attention-max-distance
+--relative-attention-num-buckets --renormalize-blend-weights --replication --replication-factor --replication-jump
+--report-topk-accuracies --rerun-mode --reset-attention-mask --reset-position-ids --result-rejected-tracker-filename
+--retriever-report-topk-accuracies --retriever-score-scaling --retriever-seq-length --retro-add-retriever
+--retro-attention-gate --retro-cyclic-train-iters --retro-encoder-attention-dropout --retro-encoder-hidden-dropout
+--retro-encoder-layers --retro-fix-sub-epoch --retro-no-verify-neighbor-count --retro-num-neighbors
+--retro-num-retrieved-chunks --retro-project-dir --retro-return-doc-ids --retro-split-constraint
+--retro-split-preprocessing --retro-workdir --reuse-grad-buf-for-mxfp8-param-ag
+--rl-calculate-intra-group-similarity --rl-consumption-granularity --rl-default-temperature --rl-default-top-k
+--rl-default-top-p --rl-durable-rollout-bank --rl-generation-batch-size --rl-generation-lag
+--rl-importance-sampling-truncation-coef --rl-inference-expert-model-parallel-size
+--rl-inference-expert-tensor-model-parallel-size --rl-inference-logprobs-is-correction
+--rl-inference-model-unified-memory-level --rl-inference-parsers --rl-inference-pipeline-model-parallel-size
+--rl-inference-tensor-model-parallel-size --rl-kv-cache-management-mode --rl-max-inflight-requests
+--rl-num-parallel-generation-batches --rl-num-parallel-generations --rl-offload-inference-model-weights-when-idle
+--rl-offload-kv-cache-during-training --rl-offload-optimizer-during-inference --rl-parallel-generation-tasks
+--rl-partial-rollouts --rl-persist-cuda-graphs --rl-profile --rl-profile-dir --rl-prompts-per-eval
+--rl-remove-kv-cache-during-training --rl-reset-cuda-graphs --rl-rollout-bank-dir --rl-rollout-bank-max-bytes
+--rl-sequence-packing-algo --rl-sequence-packing-bin-size --rl-sequence-packing-max-sequences-per-bin
+--rl-skip-bos-token --rl-submission-granularity --rl-training-cuda-graphs --rl-use-sequence-packing
+--rl-verify-model-weights-swap --rope-scaling-factor --rope-type --rotary-base --rotary-interleaved --rotary-percent
+--rotary-scaling-factor --rotary-seq-len-interpolation-factor --run-workload-inspector-server --s3-cache-path
+--sample-input-file --sample-output-file --sample-rate --save --save-dgrads-interval --save-interval
+--save-retain-interval --save-wgrads-interval --scaled-masked-softmax-fusion
+--scaled-upper-triang-masked-softmax-fusion --scatter-gather-tensors-in-pipeline --seed --seq-length
+--sequence-parallel --sft --sft-tokenizer-prompt-format --sgd-momentum --shared-query-context-model
+--sharp-enabled-group --short-seq-prob --shuffle --skip-train --softmax-type --spec --split --squared-relu
+--standalone-embed-stage --standalone-embedding-stage --start-wd --start-weight-decay --straggler-ctrlr-port
+--straggler-minmax-count --strict-lambada --suggested-communication-unit-size --swiglu --swin-backbone-type
+--symmetric-ar-type --te-precision-config-file --te-rng-tracker --temperature --tensor-model-parallel-size
+--tensorboard-dir --tensorboard-log-interval --tensorboard-queue-size --test-data --test-data-path --test-mode
+--text-key --tiktoken-num-special-tokens --tiktoken-pattern --tiktoken-special-tokens --timing-log-level
+--timing-log-option --titles-data-path --tokenizer-hf-include-special-tokens
+--tokenizer-hf-no-include-special-tokens --tokenizer-hf-no-use-fast --tokenizer-hf-use-fast --tokenizer-metadata
+--tokenizer-model --tokenizer-model-type --tokenizer-path --tokenizer-sentencepiece-legacy
+--tokenizer-special-tokens --tokenizer-type --top_k --top_p --torch-fsdp2-no-reshard-after-forward
+--tp-comm-bootstrap-backend --tp-comm-bulk-dgrad --tp-comm-bulk-wgrad --tp-comm-overlap --tp-comm-overlap-cfg
+--tp-comm-overlap-rs-dgrad --tp-comm-split-ag --tp-comm-split-rs --train-data --train-data-path --train-iters
+--train-samples --train-sync-interval --transformer-impl --trust-remote-code --untie-embeddings-and-output-weights
+--use-checkpoint-args --use-checkpoint-lr-scheduler --use-checkpoint-opt-param-scheduler
+--use-checkpoint-opt_param-scheduler --use-contiguous-buffers-in-ddp --use-cpu-initialization --use-custom-fsdp
+--use-dist-ckpt --use-distributed-optimizer --use-flash-attn --use-fused-weighted-squared-relu
+--use-gpu-initialization --use-kitchen-attention --use-legacy-models --use-legacy-static-engine --use-mcore-models
+--use-megatron-fsdp --use-mp-args-from-checkpoint-args --use-nccl-ub --use-one-sent-docs
+--use-persistent-ckpt-worker --use-pipelining --use-precision-aware-optimizer --use-pytorch-profiler
+--use-random-spans --use-regular-masking --use-ring-exchange-p2p --use-rope-scaling --use-rotary-position-embeddings
+--use-same-sampling-seed-across-dp-ranks --use-sharp --use-te-activation-func --use-torch-fsdp2
+--use-torch-optimizer-for-cpu-offload --use-tp-pp-dp-mapping --v-head-dim --valid-data --valid-data-path
+--validate-model-load --virtual-pipeline-model-parallel-size --vision-backbone-type --vision-pretraining
+--vision-pretraining-type --vit-load --vocab-extra-ids --vocab-file --vocab-size --wandb-entity --wandb-exp-name
+--wandb-project --wandb-save-dir --warmup --wd-incr-style --weight-decay --weight-decay-incr-style
+--wgrad-deferral-limit --window-attn-skip-freq --window-size --yaml-cfg --yarn-beta-fast --yarn-beta-slow
+--yarn-correction-range-round-to-int --yarn-original-max-position-embeddings
+""".split())
