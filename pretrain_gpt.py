@@ -78,7 +78,7 @@ def datasets_provider(ctx: TrainingContext, num_samples):
 
         print_rank_0(f"> mock GPT datasets of random tokens for {num_samples} (train, valid, test) samples")
         return mock_gpt_datasets(num_samples, seq, ctx.tokenizer.vocab_size, seed)
-    from megatron.core.datasets.gpt_dataset import build_gpt_datasets
+    from megatron.core.datasets.builder import build_gpt_datasets
 
     print_rank_0(f"> building GPT datasets for {num_samples} (train, valid, test) samples")
 

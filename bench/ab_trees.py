@@ -1,18 +1,18 @@
-"""Our trainer's speed in two or more source trees, interleaved in one GPU session (an A/B of a change).
+"""Our trainer's speed in two or more source trees, interleaved in one run on the GPU (an A/B of a change).
 
 Each tree is a checkout of the project (a git worktree, or ``git archive REF | tar -x -C DIR`` for a copy that
 travels with the working tree, e.g. to the GPU machine). For every case and round, each tree's own
 ``bench/gpu_throughput.py`` runs the case with that tree's code, the trees taking turns (base, new, base, new, ...),
 so drifting clocks or temperature hit every side alike. All runs read one dataset, tokenised once.
 
-    git archive main | (mkdir -p scratch/base && tar -x -C scratch/base)
+    git archive REF | (mkdir -p scratch/base && tar -x -C scratch/base)
     python bench/ab_trees.py --tree base=scratch/base --tree new=. --rounds 2 \\
         --case "124m:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" \\
-        --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" --tag fp8_handoff
+        --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" --tag latest
 
 A case is ``SHAPE:TRAINER:FLAGS`` (TRAINER ``ours`` or ``ours-fp8``; FLAGS go to pretrain_gpt.py at that shape).
-Writes ``bench/results/ab_TAG.{json,md}``: every run's ms/iteration and MFU, the median per tree and case, and
-each tree's tokens/s relative to the first tree's (medians).
+Writes ``bench/results/ab_TAG.{json,md}``: every run's ms/iteration and MFU (against the dense bf16 peak, as in
+gpu_throughput.py), the median per tree and case, and each tree's tokens/s relative to the first tree's (medians).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main() -> None:
                 shown = f"{res['ms_per_iter']:.2f} ms, MFU {100 * res['mfu']:.1f}%" if "error" not in res \
                     else "FAILED " + res["error"][-300:]
                 print(f"{runs[-1]['case']} | round {r + 1} | {name}: {shown}", flush=True)
-    body = ["| case | tree | ms/iter (each round) | median ms/iter | MFU (median) | tokens/s vs "
+    body = ["| case | tree | ms/iter (each round) | median ms/iter | MFU, bf16 peak (median) | tokens/s vs "
             f"{trees[0][0]} |", "|---|---|---|---|---|---|"]
     for shape, trainer, flags in cases:
         case = f"{shape} {trainer} {flags}".strip()

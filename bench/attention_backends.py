@@ -36,11 +36,12 @@ def attention(qkv: torch.Tensor, d: int, kernel) -> torch.Tensor:
 
 
 def main() -> None:
-    from triton.testing import do_bench
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/attention_backends.py times GPU kernels: no CUDA device is visible")
+    from triton.testing import do_bench
     rows = []
     for name, sh in SHAPES.items():
         b, s, n, d = sh["b"], sh["s"], sh["n"], sh["d"]

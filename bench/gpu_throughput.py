@@ -1,53 +1,67 @@
-"""Throughput and MFU of our trainer against its peers, on identical shapes, in one GPU session.
+"""Throughput and MFU of our trainer against its peers, on identical shapes and tokens, in one run on one GPU.
 
 Trainers (``--trainers``, comma-separated):
-  ours              pretrain_gpt.py as a subprocess on a real .bin/.idx dataset; its iteration log lines are parsed
-                    and the first ``--warmup`` iterations skipped (bf16)
+  ours              pretrain_gpt.py as a subprocess; its iteration log lines are parsed and the first ``--warmup``
+                    iterations skipped (bf16)
   ours-fp8          the same with ``--fp8-format hybrid``: FP8 GEMMs in the transformer layers' linears, on top of
                     the bf16 model (not the precision of the peers: read its row next to ``ours``)
   hf-gpt2           Hugging Face transformers GPT2LMHeadModel, SDPA attention, bf16 autocast, fused AdamW
   minimal-eager     bench/minimal_gpt.py (SDPA, bf16 autocast, fused AdamW)
   minimal-compiled  the same under torch.compile
 Shapes (``--shapes``): ``1.3b`` (24 layers, h 2048, 16 heads, seq 2048, micro-batch 8) and ``124m`` (12 layers,
-h 768, 12 heads, seq 1024, micro-batch 16); vocabulary 50,304, bf16, AdamW, dropout 0, clip-grad 1.0.
+h 768, 12 heads, seq 1024, micro-batch 16); vocabulary 50,304, bf16, AdamW, dropout 0, clip-grad 1.0. ``tiny``
+(2 layers, h 64) checks the script on a machine without a GPU (peers in fp32 on the CPU; no meaningful MFU).
 
-MFU = tokens/s x (72 L h^2 + 12 L h s + 6 h V) / 989e12 (Megatron's model FLOPs per token, no recompute).
-Each trainer/shape runs in its own process so peak memory (torch.cuda.max_memory_allocated) is its own.
+Every trainer trains on the same tokens: the bundled corpus tokenised once into a .bin/.idx pair and read through
+the library's GPT dataset and data loader (``bench/corpus.py``), so iteration i of every trainer sees the same
+samples. MFU = tokens/s x model FLOPs per token / peak, with the FLOPs of ``megatron.training.logging.
+num_floating_point_operations`` (Megatron's 72 L h^2 + 12 L h s + 6 h V per token for ffn = 4h, no recomputation
+counted) and the dense bf16 peak (``--bf16-peak-tflops``, 989 on H100/H200 SXM); ours-fp8 rows also give MFU
+against the dense FP8 peak (``--fp8-peak-tflops``, 1979). Each trainer/shape runs in its own process so peak memory
+(torch.cuda.max_memory_allocated) is its own. ``--variant LABEL:FLAGS`` (repeatable) runs our trainers once per
+variant with FLAGS added, e.g. the recomputation settings.
+
 Writes ``bench/results/gpu_throughput[_TAG].json`` (rows with the keys trainer, num_layers, hidden_size,
-seq_length, micro_batch_size, ms_per_iter, tokens_per_s, mfu, peak_mem_gib, command) and a Markdown table
-beside it, with the GPU, software versions, date and the exact command. For our trainer the extras also keep the
-losses and each averaged iteration's time (``iter_ms``, listed under the table with their median).
+seq_length, micro_batch_size, ms_per_iter, tokens_per_s, mfu, mfu_fp8_peak, peak_mem_gib, command) and a Markdown
+table beside it, with the GPU, software versions, date and the exact command. For our trainer the extras also keep
+the losses and each averaged iteration's time (``iter_ms``, listed under the table with their median).
 
     python bench/gpu_throughput.py                                   # everything
     python bench/gpu_throughput.py --trainers hf-gpt2,minimal-eager,minimal-compiled --shapes 124m,1.3b
     python bench/gpu_throughput.py --trainers ours --ours-args "--use-torch-compile" --tag compile
+    python bench/gpu_throughput.py --shapes tiny --trainers ours,minimal-eager,hf-gpt2 --iters 2 --warmup 1 \\
+        --results-dir /tmp/bench_check                               # a check of the script on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
 import json
 import os
 import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-PEAK_FLOPS = 989e12
+from corpus import MERGE_FILE, NUM_WORKERS, SEED, SPLIT, VOCAB_FILE, batches, prepare_dataset  # noqa: E402,F401
+from megatron.training.logging import num_floating_point_operations  # noqa: E402
+
+BF16_PEAK_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
+FP8_PEAK_TFLOPS = 1979.0  # dense FP8 peak of the same GPUs
 VOCAB = 50304
 SHAPES = {
     "1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16, seq_length=2048, micro_batch_size=8),
     "124m": dict(num_layers=12, hidden_size=768, num_heads=12, seq_length=1024, micro_batch_size=16),
+    "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=128, micro_batch_size=2),  # CPU check
 }
 TRAINERS = ("hf-gpt2", "minimal-eager", "minimal-compiled", "ours", "ours-fp8")
 OURS_FP8_ARGS = "--fp8-format hybrid"  # ours-fp8: our trainer with FP8 GEMMs in the transformer layers
@@ -55,17 +69,21 @@ OURS_FP8_ARGS = "--fp8-format hybrid"  # ours-fp8: our trainer with FP8 GEMMs in
 OURS_BASE_ARGS = (
     "--bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 "
     "--adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 "
-    "--tokenizer-type GPT2BPETokenizer --make-vocab-size-divisible-by 128 --split 100,0,0 --eval-iters 0 "
-    "--log-interval 1 --log-throughput --seed 1234 --num-workers 2 --cross-entropy-loss-fusion"
+    "--tokenizer-type GPT2BPETokenizer --make-vocab-size-divisible-by 128 "
+    f"--split {SPLIT} --eval-iters 0 --log-interval 1 --log-throughput --seed {SEED} --num-workers {NUM_WORKERS} "
+    "--cross-entropy-loss-fusion"
 )
 
 
 def flops_per_token(L: int, h: int, s: int, V: int = VOCAB) -> float:
-    return 72 * L * h * h + 12 * L * h * s + 6 * h * V
+    """Model FLOPs per token of one training iteration, from the library's count (the trainer's log line)."""
+    args = SimpleNamespace(num_layers=L, hidden_size=h, seq_length=s, ffn_hidden_size=4 * h, padded_vocab_size=V)
+    return num_floating_point_operations(args, 1) / s
 
 
-def mfu(tokens_per_s: float, L: int, h: int, s: int) -> float:
-    return tokens_per_s * flops_per_token(L, h, s) / PEAK_FLOPS
+def mfu(tokens_per_s: float, L: int, h: int, s: int, peak_tflops: float = BF16_PEAK_TFLOPS) -> float:
+    """Model FLOPs utilisation against ``peak_tflops`` (the dense bf16 peak unless told otherwise)."""
+    return tokens_per_s * flops_per_token(L, h, s) / (peak_tflops * 1e12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +96,7 @@ def _hf_model(shape: dict):
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=shape["seq_length"], n_embd=shape["hidden_size"],
                      n_layer=shape["num_layers"], n_head=shape["num_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, use_cache=False)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         try:
             model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
         except (TypeError, AttributeError, ValueError):
@@ -90,48 +108,31 @@ def _hf_model(shape: dict):
     return model
 
 
-def run_worker(trainer: str, shape_name: str, iters: int, warmup: int) -> dict:
+def run_worker(trainer: str, shape_name: str, iters: int, warmup: int, data_prefix: str) -> dict:
     import torch
+    import torch.nn.functional as F
     from minimal_gpt import MinimalGPT, train_and_time
 
     torch.backends.cuda.matmul.allow_tf32 = True
     shape = SHAPES[shape_name]
+    data = batches(data_prefix, shape["seq_length"], shape["micro_batch_size"], warmup + iters)
     if trainer == "hf-gpt2":
         model = _hf_model(shape)
-        step = lambda idx, tgt: model(input_ids=idx, labels=idx).loss  # noqa: E731 (HF shifts labels itself)
+
+        def step(idx, tgt):  # the loss over the same targets as the other trainers (HF's labels= would shift)
+            logits = model(input_ids=idx).logits  # [b, s, V]
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1))
     else:
-        with torch.device("cuda"):
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = MinimalGPT(shape["num_layers"], shape["hidden_size"], shape["num_heads"],
                                shape["seq_length"], VOCAB)
         step = torch.compile(model) if trainer == "minimal-compiled" else model
-    res = train_and_time(model, step, VOCAB, shape["seq_length"], shape["micro_batch_size"], iters, warmup)
-    return res
+    return train_and_time(model, step, data, iters, warmup)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # ours: dataset + pretrain_gpt.py subprocess + log parsing
 # ---------------------------------------------------------------------------------------------------------------
-def prepare_dataset(workdir: str) -> str:
-    """Tokenise the bundled corpus with tools/preprocess_data.py; return the .bin/.idx prefix."""
-    prefix = os.path.join(workdir, "bench_text_document")
-    if os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"):
-        return prefix
-    src = os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz")
-    jsonl = os.path.join(workdir, "corpus.jsonl")
-    with gzip.open(src, "rb") as fin, open(jsonl, "wb") as fout:
-        shutil.copyfileobj(fin, fout)
-    out_prefix = os.path.join(workdir, "bench")
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl,
-           "--output-prefix", out_prefix, "--tokenizer-type", "GPT2BPETokenizer",
-           "--vocab-file", os.path.join(ROOT, "data", "gpt2-vocab.json"),
-           "--merge-file", os.path.join(ROOT, "data", "gpt2-merges.txt"), "--append-eod", "--workers", "4"]
-    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    if not os.path.exists(prefix + ".bin"):
-        raise RuntimeError(f"preprocess_data.py did not write {prefix}.bin")
-    return prefix
-
-
 def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, extra: str, micro_batch: int = 0,
                  global_batch: int = 0) -> list:
     """``python gpu_throughput.py --run-ours -- pretrain_gpt.py FLAGS`` for a shape (micro and global batch
@@ -142,8 +143,7 @@ def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, extra: 
             f"--seq-length {s['seq_length']} --max-position-embeddings {s['seq_length']} "
             f"--micro-batch-size {micro} --global-batch-size {global_batch or micro} "
             f"--train-iters {iters + warmup} --data-path {data_prefix} "
-            f"--vocab-file {os.path.join(ROOT, 'data', 'gpt2-vocab.json')} "
-            f"--merge-file {os.path.join(ROOT, 'data', 'gpt2-merges.txt')} {OURS_BASE_ARGS} {extra}")
+            f"--vocab-file {VOCAB_FILE} --merge-file {MERGE_FILE} {OURS_BASE_ARGS} {extra}")
     return [sys.executable, os.path.join(ROOT, "bench", "gpu_throughput.py"), "--run-ours", "--",
             os.path.join(ROOT, "pretrain_gpt.py")] + shlex.split(args)
 
@@ -248,7 +248,10 @@ def run_ours_wrapper(argv: list) -> None:
 
         start, count = (int(x) for x in prof_spec.split(":"))
         out_dir = os.environ.get("BENCH_PROFILE_DIR", ".")
-        original = training_mod.Trainer.launch_step
+        original = getattr(getattr(training_mod, "Trainer", None), "launch_step", None)
+        if original is None:
+            raise SystemExit("BENCH_PROFILE: megatron.training.training.Trainer.launch_step (where one training "
+                             "step starts) is not there; point the profiling hook at the function that starts a step")
         state = {"n": 0, "prof": None}
 
         def sync():
@@ -322,13 +325,16 @@ def environment() -> dict:
     return env
 
 
-def make_row(trainer: str, shape_name: str, res: dict, command: str) -> dict:
+def make_row(trainer: str, shape_name: str, res: dict, command: str, peaks: tuple) -> dict:
+    """One table row; ``peaks`` = (bf16, FP8) dense peak TFLOP/s. ``mfu_fp8_peak`` only for FP8 rows."""
     s = SHAPES[shape_name]
     tokens = s["micro_batch_size"] * s["seq_length"] / (res["ms_per_iter"] / 1000)
-    return {"trainer": trainer, "num_layers": s["num_layers"], "hidden_size": s["hidden_size"],
-            "seq_length": s["seq_length"], "micro_batch_size": s["micro_batch_size"],
-            "ms_per_iter": round(res["ms_per_iter"], 2), "tokens_per_s": round(tokens, 1),
-            "mfu": round(mfu(tokens, s["num_layers"], s["hidden_size"], s["seq_length"]), 4),
+    L, h, seq = s["num_layers"], s["hidden_size"], s["seq_length"]
+    fp8 = trainer.startswith("ours-fp8")
+    return {"trainer": trainer, "num_layers": L, "hidden_size": h, "seq_length": seq,
+            "micro_batch_size": s["micro_batch_size"], "ms_per_iter": round(res["ms_per_iter"], 2),
+            "tokens_per_s": round(tokens, 1), "mfu": round(mfu(tokens, L, h, seq, peaks[0]), 4),
+            "mfu_fp8_peak": round(mfu(tokens, L, h, seq, peaks[1]), 4) if fp8 else None,
             "peak_mem_gib": None if res.get("peak_mem_gib") is None else round(res["peak_mem_gib"], 2),
             "command": command}
 
@@ -336,22 +342,30 @@ def make_row(trainer: str, shape_name: str, res: dict, command: str) -> dict:
 def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
     with open(path_json, "w") as f:
         json.dump({**meta, "rows": rows, "extras": extras}, f, indent=2)
+    bf16_peak, fp8_peak = meta["peak_tflops"]["bf16"], meta["peak_tflops"]["fp8"]
     md = [f"# GPU throughput ({meta['date']})", "",
           f"GPU: {meta['env']['gpu']}; torch {meta['env']['torch']} (CUDA {meta['env']['cuda']}), "
           f"triton {meta['env']['triton']}, transformers {meta['env']['transformers']}, "
           f"Python {meta['env']['python']}.", "",
           f"Command: `{meta['command']}`", "",
-          "MFU = tokens/s x (72 L h^2 + 12 L h s + 6 h V) / 989e12, V = 50304; bf16, AdamW, dropout 0 (ours-fp8: FP8 GEMMs in the transformer layers, same bf16 model and FLOP count).", "",
-          "| trainer | layers | hidden | seq | micro-batch | ms/iter | tokens/s | MFU | log TFLOP/s | peak mem (GiB) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "Every trainer reads the same tokens (the bundled corpus as one .bin/.idx through the library's GPT "
+          "dataset and loader, bench/corpus.py). MFU = tokens/s x model FLOPs per token "
+          "(72 L h^2 + 12 L h s + 6 h V, V = 50304; megatron.training.logging.num_floating_point_operations) / peak: "
+          f"bf16 dense peak {bf16_peak:g} TFLOP/s for every row; FP8 rows also against the FP8 dense peak "
+          f"{fp8_peak:g} TFLOP/s (FP8 GEMMs in the transformer layers, same bf16 model and FLOP count). "
+          "bf16, AdamW, dropout 0.", "",
+          f"| trainer | layers | hidden | seq | micro-batch | ms/iter | tokens/s | MFU (bf16 peak {bf16_peak:g}) | "
+          f"MFU (FP8 peak {fp8_peak:g}) | log TFLOP/s | peak mem (GiB) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         key = f"{r['trainer']}/{r['num_layers']}x{r['hidden_size']}"
         tfl = extras.get("log_tflops", {}).get(key)
         tfl_s = "" if tfl is None else f"{tfl:.1f}"
         mem_s = "" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+        fp8_s = "" if r.get("mfu_fp8_peak") is None else f"{100 * r['mfu_fp8_peak']:.1f}%"
         md.append(f"| {r['trainer']} | {r['num_layers']} | {r['hidden_size']} | {r['seq_length']} | "
                   f"{r['micro_batch_size']} | {r['ms_per_iter']:.1f} | {r['tokens_per_s']:,.0f} | "
-                  f"{100 * r['mfu']:.1f}% | {tfl_s} | {mem_s} |")
+                  f"{100 * r['mfu']:.1f}% | {fp8_s} | {tfl_s} | {mem_s} |")
     iter_ms = extras.get("iter_ms", {})
     if iter_ms:  # the spread behind each average of our trainer (its log has one time per iteration)
         md += ["", "Our trainer's averaged iterations, one by one (ms), and their median:", ""]
@@ -365,65 +379,57 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
             rest = statistics.median(iter_ms.get(key) or [float("nan")]) - statistics.median(times)
             md.append(f"- {key}: {' '.join(f'{t:.2f}' for t in times)} (median {statistics.median(times):.2f}; "
                       f"outside the graph {rest:.2f})")
+    errors = extras.get("errors", {})
+    if errors:
+        md += ["", "Failed rows:", ""] + [f"- {key}: {msg.strip().splitlines()[-1] if msg.strip() else msg}"
+                                          for key, msg in errors.items()]
     md += ["", "Per-row commands:", ""] + [f"- {r['trainer']} {r['num_layers']}x{r['hidden_size']}: `{r['command']}`"
                                            for r in rows]
     with open(path_json[:-5] + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
 
 
-def assemble(paths: list, results_dir: str) -> None:
-    """Merge the rows of several result files into gpu_throughput.{json,md}; later files win per trainer/shape.
+def _glue_values(argv: list) -> list:
+    """``--ours-args --flag`` would make argparse read --flag as an option: glue each value to its option."""
+    out = list(argv)
+    for i in range(len(out) - 1):
+        if out[i] in ("--ours-args", "--ours-shape-args", "--ours-fp8-shape-args", "--variant"):
+            out[i:i + 2] = [f"{out[i]}={out[i + 1]}", ""]
+    return [x for x in out if x != ""]
 
-    Each row keeps its own exact command; the sources (file, date, command) are listed in the output.
-    """
-    rows, extras, sources = {}, {"log_tflops": {}, "losses": {}, "iter_ms": {}, "replay_ms": {}, "errors": {},
-                                 "row_sources": {}}, []
-    env = None
-    for path in paths:
-        with open(path) as f:
-            d = json.load(f)
-        env = env or d["env"]
-        sources.append({"file": os.path.basename(path), "date": d["date"], "command": d["command"]})
-        for r in d["rows"]:
-            key = f"{r['trainer']}/{r['num_layers']}x{r['hidden_size']}"
-            rows[key] = r
-            extras["row_sources"][key] = f"{os.path.basename(path)} ({d['date']})"
-            for k in ("log_tflops", "losses", "iter_ms", "replay_ms"):
-                if key in d.get("extras", {}).get(k, {}):
-                    extras[k][key] = d["extras"][k][key]
-    order = {t: i for i, t in enumerate(TRAINERS)}
-    ordered = sorted(rows.values(), key=lambda r: (-r["num_layers"], order[r["trainer"]]))
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "env": env,
-            "command": "python bench/gpu_throughput.py --assemble " + " ".join(os.path.basename(p) for p in paths),
-            "sources": sources}
-    out = os.path.join(results_dir, "gpu_throughput.json")
-    write_results(out, meta, ordered, extras)
-    with open(out[:-5] + ".md", "a") as f:
-        f.write("\nRows assembled from these runs (same H200 lease series, one session):\n\n")
-        for key, src in extras["row_sources"].items():
-            f.write(f"- {key}: {src}\n")
-        for src in sources:
-            f.write(f"- {src['file']}: `{src['command']}`\n")
+
+def our_flags(trainer: str, shape_name: str, a) -> str:
+    """The flags of one of our rows beyond the shape and OURS_BASE_ARGS, from --ours-args and the shape args."""
+    fp8 = trainer == "ours-fp8"
+    extra = f"{a.ours_args} {OURS_FP8_ARGS}" if fp8 else a.ours_args
+    for spec in (a.ours_fp8_shape_args if fp8 else a.ours_shape_args):
+        name, _, flags = spec.partition(":")
+        if name not in SHAPES:
+            raise ValueError(f"--ours{'-fp8' if fp8 else ''}-shape-args: unknown shape {name!r} in {spec!r}")
+        if name == shape_name:
+            extra = f"{extra} {flags}"
+    return extra.strip()
+
+
+def run_peer(trainer: str, shape_name: str, a, data_prefix: str) -> tuple:
+    """A peer in its own process (``--worker``); returns (result, command)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "--shape", shape_name,
+            "--iters", str(a.iters), "--warmup", str(a.warmup), "--data-prefix", data_prefix]
+    proc = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+    cmd = f"python bench/gpu_throughput.py --worker {trainer} --shape {shape_name} --iters {a.iters} --warmup {a.warmup}"
+    return json.loads(found[-1][len("BENCH_RESULT "):]), cmd
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--assemble":
-        assemble(sys.argv[2:], os.path.join(ROOT, "bench", "results"))
-        return
     if len(sys.argv) > 1 and sys.argv[1] == "--run-ours":
         run_ours_wrapper(sys.argv[3:] if sys.argv[2] == "--" else sys.argv[2:])
         return
-    # "--ours-args --flag" would make argparse read --flag as an option: glue the value to its option.
-    argv = sys.argv[1:]
-    for i in range(len(argv) - 1):
-        if argv[i] in ("--ours-args", "--ours-shape-args", "--ours-fp8-shape-args"):
-            argv[i:i + 2] = [f"{argv[i]}={argv[i + 1]}", ""]
-    sys.argv[1:] = [x for x in argv if x != ""]
-    from gpu_probes import PROBE_VARIANTS, run_kernel_bench, run_model_probe
-
-    ap = argparse.ArgumentParser(description="Throughput/MFU of our trainer and its peers on one GPU.")
-    ap.add_argument("--trainers", default=",".join(TRAINERS))
-    ap.add_argument("--shapes", default="1.3b,124m")
+    ap = argparse.ArgumentParser(description="Throughput/MFU of our trainer and its peers on one GPU, same tokens.")
+    ap.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma list of {', '.join(TRAINERS)}")
+    ap.add_argument("--shapes", default="1.3b,124m", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--iters", type=int, default=15, help="timed iterations")
     ap.add_argument("--warmup", type=int, default=5, help="untimed warm-up iterations (compilation included)")
     ap.add_argument("--ours-args", default="", help="extra flags for pretrain_gpt.py")
@@ -431,109 +437,85 @@ def main() -> None:
                     help="extra flags for pretrain_gpt.py at one shape only, e.g. '124m:--use-torch-compile'")
     ap.add_argument("--ours-fp8-shape-args", action="append", default=[], metavar="SHAPE:FLAGS",
                     help=f"the same for ours-fp8 (which adds {OURS_FP8_ARGS!r} to --ours-args)")
-    ap.add_argument("--data-prefix", default=None, help=".bin/.idx prefix (default: preprocess data/ corpus)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:FLAGS",
+                    help="run each of our trainers once per variant with FLAGS added; rows named TRAINER[LABEL]")
+    ap.add_argument("--bf16-peak-tflops", type=float, default=BF16_PEAK_TFLOPS,
+                    help="dense bf16 peak of the GPU for MFU (default: H100/H200 SXM)")
+    ap.add_argument("--fp8-peak-tflops", type=float, default=FP8_PEAK_TFLOPS,
+                    help="dense FP8 peak of the GPU for the FP8 rows' second MFU (default: H100/H200 SXM)")
+    ap.add_argument("--data-prefix", default=None, help=".bin/.idx prefix (default: tokenise the bundled corpus)")
     ap.add_argument("--tag", default="", help="write gpu_throughput_TAG.{json,md} instead of the main table")
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--log-dir", default=None, help="where to keep our trainer's full logs")
-    ap.add_argument("--kernels", action="store_true", help="also time the fused kernels (gpu_kernels.{json,md})")
-    ap.add_argument("--kernels-compiled", action="store_true", help="with --kernels: also torch.compile'd references")
-    ap.add_argument("--probe", default="", help="comma list of SHAPE:VARIANT[:profile] model probes "
-                    f"(variants: {', '.join(PROBE_VARIANTS)}); results in model_probe.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker == "probe":
-        shape_name, variant, *prof = a.shape.split(":")
-        path = os.path.join(a.results_dir, f"profile_{shape_name}_{variant}.txt") if prof else ""
-        print("BENCH_RESULT " + json.dumps(run_model_probe(shape_name, variant, a.iters, a.warmup, path)), flush=True)
-        return
+    a = ap.parse_args(_glue_values(sys.argv[1:]))
     if a.worker:
-        print("BENCH_RESULT " + json.dumps(run_worker(a.worker, a.shape, a.iters, a.warmup)), flush=True)
+        if not a.data_prefix:
+            raise SystemExit("--worker needs --data-prefix")
+        print("BENCH_RESULT " + json.dumps(run_worker(a.worker, a.shape, a.iters, a.warmup, a.data_prefix)),
+              flush=True)
         return
-    os.makedirs(a.results_dir, exist_ok=True)
     trainers = [t for t in a.trainers.split(",") if t]
     shapes = [s for s in a.shapes.split(",") if s]
     for t in trainers:
         if t not in TRAINERS:
-            raise ValueError(f"--trainers: unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
+            raise SystemExit(f"--trainers: unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
     for s in shapes:
         if s not in SHAPES:
-            raise ValueError(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+            raise SystemExit(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    variants = [tuple(v.partition(":")[::2]) for v in a.variant]
+    if any(not label for label, _ in variants):
+        raise SystemExit("--variant: expected LABEL:FLAGS with a non-empty LABEL")
+    variants = variants or [("", "")]
+    if a.data_prefix and not (os.path.exists(a.data_prefix + ".bin") and os.path.exists(a.data_prefix + ".idx")):
+        raise SystemExit(f"--data-prefix {a.data_prefix}: expected {a.data_prefix}.bin and {a.data_prefix}.idx")
+    os.makedirs(a.results_dir, exist_ok=True)
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
     command = "python bench/gpu_throughput.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "env": environment(), "command": command}
-    os.makedirs(a.results_dir, exist_ok=True)
+            "env": environment(), "command": command,
+            "peak_tflops": {"bf16": a.bf16_peak_tflops, "fp8": a.fp8_peak_tflops}}
+    peaks = (a.bf16_peak_tflops, a.fp8_peak_tflops)
     out_json = os.path.join(a.results_dir, f"gpu_throughput{'_' + a.tag if a.tag else ''}.json")
     rows, extras = [], {"log_tflops": {}, "losses": {}, "iter_ms": {}, "replay_ms": {}, "errors": {}}
-    data_prefix = a.data_prefix
-    workdir = tempfile.mkdtemp(prefix="bench_data_")
+    data_prefix = a.data_prefix or prepare_dataset(tempfile.mkdtemp(prefix="bench_data_"))
     for shape_name in shapes:
         for trainer in trainers:
-            key = f"{trainer}/{SHAPES[shape_name]['num_layers']}x{SHAPES[shape_name]['hidden_size']}"
-            t0 = time.time()
-            try:
-                if trainer in ("ours", "ours-fp8"):
-                    data_prefix = data_prefix or prepare_dataset(workdir)
-                    fp8 = trainer == "ours-fp8"
-                    extra = f"{a.ours_args} {OURS_FP8_ARGS}" if fp8 else a.ours_args
-                    for spec in (a.ours_fp8_shape_args if fp8 else a.ours_shape_args):
-                        name, _, flags = spec.partition(":")
-                        if name not in SHAPES:
-                            raise ValueError(f"--ours{'-fp8' if fp8 else ''}-shape-args: unknown shape {name!r} "
-                                             f"in {spec!r}")
-                        if name == shape_name:
-                            extra = f"{extra} {flags}"
-                    res = run_ours(shape_name, a.iters, a.warmup, data_prefix, extra.strip(), a.log_dir, trainer)
-                    cmd = res["command"]
-                    extras["log_tflops"][key] = res["log_tflops"]
-                    extras["losses"][key] = res["losses"]
-                    extras["iter_ms"][key] = res["iter_ms"]
-                    if res["replay_ms"]:
-                        extras["replay_ms"][key] = res["replay_ms"]
-                else:
-                    argv = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "--shape", shape_name,
-                            "--iters", str(a.iters), "--warmup", str(a.warmup)]
-                    proc = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True)
-                    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
-                    if proc.returncode != 0 or not found:
-                        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
-                    res = json.loads(found[-1][len("BENCH_RESULT "):])
-                    cmd = (f"python bench/gpu_throughput.py --worker {trainer} --shape {shape_name} "
-                           f"--iters {a.iters} --warmup {a.warmup}")
-            except Exception as exc:  # keep measuring the others; the failure is recorded
-                print(f"!! {key} failed: {exc}", flush=True)
-                extras["errors"][key] = str(exc)[-2000:]
-                continue
-            row = make_row(trainer, shape_name, res, cmd)
-            rows.append(row)
-            print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
-                  f"MFU {100 * row['mfu']:.1f}%, peak {row['peak_mem_gib']} GiB ({time.time() - t0:.0f} s)",
-                  flush=True)
-            write_results(out_json, meta, rows, extras)
-    if rows or extras["errors"]:
-        write_results(out_json, meta, rows, extras)
-        print(open(out_json[:-5] + ".md").read(), flush=True)
-    if a.probe:
-        probes = []
-        for spec in a.probe.split(","):
-            argv = [sys.executable, os.path.abspath(__file__), "--worker", "probe", "--shape", spec, "--iters",
-                    str(a.iters), "--warmup", str(a.warmup), "--results-dir", a.results_dir]
-            env = dict(os.environ)
-            if "compiled" in spec:
-                env.setdefault("TORCH_LOGS", "recompiles,graph_breaks")
-            proc = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=env)
-            with open(os.path.join(a.results_dir, "probe_" + spec.replace(":", "_") + ".log"), "w") as f:
-                f.write(proc.stdout)
-            found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
-            probes.append(json.loads(found[-1][13:]) if found else {"spec": spec, "error": proc.stdout[-3000:]})
-            print("probe", probes[-1], flush=True)
-            with open(os.path.join(a.results_dir, "model_probe.json"), "w") as f:
-                json.dump(probes, f, indent=2)
-
-    if a.kernels:
-        run_kernel_bench(a.results_dir, a.kernels_compiled)
+            ours = trainer in ("ours", "ours-fp8")
+            for label, vflags in (variants if ours else [("", "")]):
+                name = f"{trainer}[{label}]" if label else trainer
+                key = f"{name}/{SHAPES[shape_name]['num_layers']}x{SHAPES[shape_name]['hidden_size']}"
+                t0 = time.time()
+                try:
+                    if ours:
+                        extra = f"{our_flags(trainer, shape_name, a)} {vflags}".strip()
+                        res = run_ours(shape_name, a.iters, a.warmup, data_prefix, extra, a.log_dir,
+                                       name.replace("[", "_").replace("]", ""))
+                        cmd = res["command"]
+                        for k in ("log_tflops", "losses", "iter_ms"):
+                            extras[k][key] = res[k]
+                        if res["replay_ms"]:
+                            extras["replay_ms"][key] = res["replay_ms"]
+                    else:
+                        res, cmd = run_peer(trainer, shape_name, a, data_prefix)
+                        extras["losses"][key] = res.get("losses")
+                except Exception as exc:  # keep measuring the others; the failure is recorded
+                    print(f"!! {key} failed: {exc}", flush=True)
+                    extras["errors"][key] = str(exc)[-2000:]
+                    continue
+                row = make_row(name, shape_name, res, cmd, peaks)
+                rows.append(row)
+                fp8_s = "" if row["mfu_fp8_peak"] is None else f" ({100 * row['mfu_fp8_peak']:.1f}% of the FP8 peak)"
+                print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
+                      f"MFU {100 * row['mfu']:.1f}% of the bf16 peak{fp8_s}, peak {row['peak_mem_gib']} GiB "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+                write_results(out_json, meta, rows, extras)
+    write_results(out_json, meta, rows, extras)
+    print(open(out_json[:-5] + ".md").read(), flush=True)
+    if extras["errors"]:
+        raise SystemExit(f"failed rows: {', '.join(extras['errors'])}")
 
 
 if __name__ == "__main__":

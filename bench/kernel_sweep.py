@@ -4,17 +4,17 @@ For each kernel (bias+GeLU forward and backward, bias+dropout+add forward, Layer
 each model shape of bench/gpu_throughput.py, time every candidate configuration with ``triton.testing.do_bench``
 and report the best next to the current default, PyTorch eager and the memory-bandwidth floor.
 
-    python bench/kernel_sweep.py --out bench/results/kernel_sweep.json [--apply-layer-norm]
+    python bench/kernel_sweep.py [--only elementwise|layer_norm|fp8|colsum] [--out bench/results/kernel_sweep.json]
 
 The defaults live in ``TILE_CONFIG`` (megatron/core/fusions/_triton_elementwise.py), ``LN_CONFIG``
-(_triton_layer_norm.py), ``AMAX_CONFIG`` and ``CAST_CONFIG`` (_triton_fp8.py). ``--only fp8`` sweeps the FP8 amax
-and cast kernels on the GEMM-input shapes; ``--apply-fp8`` writes the configurations with the lowest summed
-slowdown into the source. ``--only colsum`` sweeps ``COLSUM_CONFIG`` (_triton_elementwise.py), the column sum of
-the bias gradients, on the [tokens, hidden] and [tokens, 3 * hidden] gradients of each shape, next to PyTorch's
-``x.sum(0)``; ``--apply-colsum`` writes the configuration with the lowest summed slowdown into the source.
-``--apply-layer-norm`` writes the LayerNorm configuration with the lowest summed
-slowdown over the shapes into ``LN_CONFIG``, with ``min_width`` set to the narrowest shape at which that
-configuration beat PyTorch's LayerNorm (forward + backward).
+(_triton_layer_norm.py), ``AMAX_CONFIG`` and ``CAST_CONFIG`` (_triton_fp8.py) and ``COLSUM_CONFIG``
+(_triton_elementwise.py). ``--only fp8`` sweeps the FP8 amax and cast kernels on the GEMM-input shapes; ``--only
+colsum`` the column sum of the bias gradients on the [tokens, hidden] and [tokens, 3 * hidden] gradients of each
+shape, next to PyTorch's ``x.sum(0)``. For each configuration table the script prints (and writes at the end of the
+Markdown file) the candidate with the lowest summed slowdown over the swept tensors as the assignment to put in
+the source, and for the LayerNorm also ``min_width``, the narrowest swept row length at which the chosen
+configuration beat PyTorch's LayerNorm (forward + backward). It never edits the library: a new default is a
+reviewed change of that line, measured in the trainer (bench/gpu_throughput.py) before it is committed.
 """
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ def run(shape_name: str, only: str = "") -> list:
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
 
-    def add(op, sweep, eager_fn, nbytes):
+    def add(op, sweep, eager_fn, nbytes, key=None):
         best = min(sweep["results"], key=lambda r: r["ms"])
         rows.append({"shape": shape_name, "op": op, "default": sweep["default"], "default_ms": sweep["default_ms"],
                      "best": best["config"], "best_ms": best["ms"],
                      "eager_ms": bench(eager_fn) if eager_fn is not None else None,
-                     "floor_ms": nbytes / BANDWIDTH * 1e3, "all": sweep["results"]})
+                     "floor_ms": nbytes / BANDWIDTH * 1e3, "all": sweep["results"], "key": key})
         r = rows[-1]
         print(f"{shape_name} {op}: default {r['default']} {r['default_ms']:.4f} ms, best {r['best']} "
               f"{r['best_ms']:.4f} ms, eager {r['eager_ms']}, floor {r['floor_ms']:.4f}", flush=True)
@@ -109,12 +109,12 @@ def run(shape_name: str, only: str = "") -> list:
     if only in ("", "elementwise"):
         with torch.no_grad():
             add("bias_gelu fwd [t,4h]", sweep_tiled("gelu_fwd", lambda: E.BiasGeLUFunction.apply(x, b)),
-                lambda: F.gelu(x + b), 2 * x.numel() * 2)
+                lambda: F.gelu(x + b), 2 * x.numel() * 2, "TILE_CONFIG:gelu_fwd")
             add("bias_gelu bwd [t,4h]", sweep_tiled("gelu_bwd", lambda: E.bias_gelu_backward(dy, x, b)),
-                None, 3 * x.numel() * 2)
+                None, 3 * x.numel() * 2, "TILE_CONFIG:gelu_bwd")
             add("bias_dropout_add fwd p=0 [t,h]",
                 sweep_tiled("bda_fwd", lambda: E.BiasDropoutAddFunction.apply(xh, bh, r, 0.0, True)),
-                lambda: r + (xh + bh), 3 * xh.numel() * 2)
+                lambda: r + (xh + bh), 3 * xh.numel() * 2, "TILE_CONFIG:bda_fwd")
     if only in ("", "layer_norm"):
         with torch.no_grad():
             add("layer_norm fwd [t,h]",
@@ -229,44 +229,24 @@ def _lowest_summed_slowdown(rows: list, key: str):
     return json.loads(min(score, key=score.get)) if score else None
 
 
-def _write_config_line(path: str, key: str, cfg: dict) -> None:
-    """Replace the one-line ``KEY = {...}`` assignment in ``path`` by ``cfg``."""
-    import re
-
-    src = open(path).read()
-    line = f"{key} = " + "{" + ", ".join(f'"{k}": {v}' for k, v in cfg.items()) + "}"
-    src, n = re.subn(rf"^{key} = \{{.*\}}$", line, src, flags=re.M)
-    if n != 1:
-        raise RuntimeError(f"could not find the {key} line in {path}")
-    open(path, "w").write(src)
-    print("applied:", line, flush=True)
+def choose_colsum(rows: list):
+    """The COLSUM_CONFIG with the lowest summed slowdown over all swept bias-gradient shapes (None if none)."""
+    return _lowest_summed_slowdown(rows, "COLSUM_CONFIG")
 
 
-def choose_and_apply_colsum(rows: list, apply: bool):
-    """The COLSUM_CONFIG with the lowest summed slowdown over all swept bias-gradient shapes; written into
-    _triton_elementwise.py with ``apply``."""
-    chosen = _lowest_summed_slowdown(rows, "COLSUM_CONFIG")
-    if apply and chosen is not None:
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron", "core",
-                            "fusions", "_triton_elementwise.py")
-        _write_config_line(path, "COLSUM_CONFIG", chosen)
-    return chosen
-
-
-def choose_and_apply_fp8(rows: list, apply: bool) -> dict:
-    """Per config dict, the candidate with the lowest summed slowdown over all swept tensors; written into
-    _triton_fp8.py with ``apply``."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron", "core", "fusions",
-                        "_triton_fp8.py")
+def choose_fp8(rows: list) -> dict:
+    """Per FP8 config dict (AMAX_CONFIG, CAST_CONFIG), the candidate with the lowest summed slowdown."""
     chosen = {}
     for key in ("AMAX_CONFIG", "CAST_CONFIG"):
         cfg = _lowest_summed_slowdown(rows, key)
         if cfg is not None:
             chosen[key] = cfg
-    if apply:
-        for key, cfg in chosen.items():
-            _write_config_line(path, key, cfg)
     return chosen
+
+
+def config_line(key: str, cfg: dict) -> str:
+    """``KEY = {...}``: the source line of a dict configuration."""
+    return f"{key} = " + "{" + ", ".join(f'"{k}": {v}' for k, v in cfg.items()) + "}"
 
 
 def choose_layer_norm(rows: list) -> dict:
@@ -296,33 +276,25 @@ def choose_layer_norm(rows: list) -> dict:
     return {"min_width": min_width, "fwd": fwd_cfg, "bwd": bwd_cfg, "per_shape_ms": total}
 
 
-def apply_layer_norm(choice: dict) -> None:
-    import re
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron", "core", "fusions",
-                        "_triton_layer_norm.py")
-    src = open(path).read()
-    line = (f'LN_CONFIG = {{"min_width": {choice["min_width"]}, "fwd": {tuple(choice["fwd"])}, '
+def layer_norm_line(choice: dict) -> str:
+    """The ``LN_CONFIG = {...}`` source line of a LayerNorm choice."""
+    return (f'LN_CONFIG = {{"min_width": {choice["min_width"]}, "fwd": {tuple(choice["fwd"])}, '
             f'"bwd": {tuple(choice["bwd"])}}}')
-    new, n = re.subn(r"^LN_CONFIG = \{.*\}$", line, src, flags=re.M)
-    if n != 1:
-        raise RuntimeError(f"could not find the LN_CONFIG line in {path}")
-    open(path, "w").write(new)
-    print("applied:", line, flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="1.3b,124m")
-    p.add_argument("--apply-layer-norm", action="store_true", help="write the chosen LayerNorm config to the source")
-    p.add_argument("--apply-fp8", action="store_true", help="write the chosen FP8 cast configs to the source")
-    p.add_argument("--apply-colsum", action="store_true",
-                   help="write the chosen column-sum (bias gradient) config to the source")
     p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm", "fp8", "colsum"],
                    help="sweep only these kernels")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "kernel_sweep.json"))
+    p.add_argument("--out", default=None, help="JSON path; the Markdown table goes beside it "
+                   "(default: bench/results/kernel_sweep[_ONLY].json)")
     a = p.parse_args()
+    if a.out is None:
+        suffix = {"": "", "elementwise": "", "layer_norm": "_ln", "fp8": "_fp8", "colsum": "_colsum"}[a.only]
+        a.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"kernel_sweep{suffix}.json")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernel_sweep.py times Triton kernels on a GPU: no CUDA device is visible")
     rows = []
     for shape in a.shapes.split(","):
         if a.only in ("", "elementwise", "layer_norm"):
@@ -347,24 +319,28 @@ def main():
         eager = f"{r['eager_ms']:.4f}" if r["eager_ms"] is not None else ""
         lines.append(f"| {r['shape']} | {r['op']} | {r['default']} | {r['default_ms']:.4f} | {r['best']} | "
                      f"{r['best_ms']:.4f} | {eager} | {r['floor_ms']:.4f} |")
-    choice = choose_layer_norm(rows) if a.only in ("", "layer_norm") else None
-    if choice is not None:
-        lines += ["", f"LayerNorm choice (lowest summed slowdown; ours vs PyTorch fwd+bwd ms per shape "
-                  f"{choice['per_shape_ms']}): min_width {choice['min_width']}, fwd {list(choice['fwd'])}, "
-                  f"bwd {list(choice['bwd'])}" + (" (applied)" if a.apply_layer_norm else "")]
+    best = []  # (source file, the line to put there)
+    if a.only in ("", "layer_norm"):
+        choice = choose_layer_norm(rows)
+        lines += ["", f"LayerNorm, ours vs PyTorch forward+backward ms per shape: {choice['per_shape_ms']}"]
+        best.append(("megatron/core/fusions/_triton_layer_norm.py", layer_norm_line(choice)))
     if a.only in ("", "fp8"):
-        fp8_choice = choose_and_apply_fp8(rows, a.apply_fp8)
-        lines += ["", f"FP8 choice (lowest summed slowdown over the swept tensors): {fp8_choice}"
-                  + (" (applied)" if a.apply_fp8 else "")]
+        for key, cfg in choose_fp8(rows).items():
+            best.append(("megatron/core/fusions/_triton_fp8.py", config_line(key, cfg)))
     if a.only in ("", "colsum"):
-        colsum_choice = choose_and_apply_colsum(rows, a.apply_colsum)
-        lines += ["", f"Column-sum choice (lowest summed slowdown over the bias-gradient shapes): {colsum_choice}"
-                  + (" (applied)" if a.apply_colsum else "")]
+        cfg = choose_colsum(rows)
+        if cfg is not None:
+            best.append(("megatron/core/fusions/_triton_elementwise.py", config_line("COLSUM_CONFIG", cfg)))
+    if a.only in ("", "elementwise"):
+        for name in ("gelu_fwd", "gelu_bwd", "bda_fwd"):
+            cfg = _lowest_summed_slowdown(rows, f"TILE_CONFIG:{name}")
+            if cfg is not None:
+                best.append(("megatron/core/fusions/_triton_elementwise.py", f'TILE_CONFIG["{name}"] = {tuple(cfg)}'))
+    lines += ["", "Best configurations (lowest summed slowdown over the swept tensors; the library is not edited):",
+              ""] + [f"- `{path}`: `{line}`" for path, line in best]
     with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if a.apply_layer_norm and choice is not None:
-        apply_layer_norm(choice)
 
 
 if __name__ == "__main__":

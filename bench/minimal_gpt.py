@@ -2,15 +2,20 @@
 
 It is the yardstick for our trainer in bench/gpu_throughput.py: what a careful single-file implementation gets
 from PyTorch alone, eager or under ``torch.compile``. fp32 parameters, bf16 autocast, causal SDPA (flash
-backend), tied input/output embedding, learned positions, pre-LayerNorm, GeLU MLP, no dropout.
+backend), tied input/output embedding, learned positions, pre-LayerNorm, GeLU MLP, no dropout. It trains on the
+tokens our trainer reads (``bench/corpus.py``: the same .bin/.idx through the library's dataset and loader).
 
     python bench/minimal_gpt.py --layers 12 --hidden 768 --heads 12 --seq 1024 --batch 16 [--compile]
+    python bench/minimal_gpt.py --device cpu --layers 2 --hidden 64 --heads 4 --seq 64 --batch 2 --iters 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
 import time
 
 import torch
@@ -57,52 +62,68 @@ class MinimalGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train_and_time(model: nn.Module, step_model, vocab: int, seq: int, batch: int, iters: int, warmup: int,
-                   autocast: bool = True) -> dict:
-    """Run ``warmup + iters`` AdamW steps on random tokens; return ms/iteration over the timed steps and peak memory.
+def train_and_time(model: nn.Module, step_model, batches, iters: int, warmup: int, autocast: bool = True) -> dict:
+    """Run ``warmup + iters`` AdamW steps on the micro-batches of ``batches``; return ms/iteration over the timed
+    steps, the peak memory (CUDA) and the losses.
 
-    ``step_model(idx, targets) -> loss`` is the (possibly compiled) forward. Tokens are drawn once per step on
-    the GPU, so no host-to-device copy is timed.
+    ``step_model(idx, targets) -> loss`` is the (possibly compiled) forward; ``batches`` yields
+    ``{"text": int64[b, s + 1]}`` (``bench/corpus.py``), copied to the device inside the loop as our trainer does.
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
     losses = []
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = None
     for it in range(warmup + iters):
         if it == warmup:
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
-        data = torch.randint(0, vocab, (batch, seq + 1), device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = step_model(data[:, :-1], data[:, 1:])
+        text = next(batches)["text"].to(device, non_blocking=True)  # [b, s + 1]
+        idx, targets = text[:, :-1].contiguous(), text[:, 1:].contiguous()  # [b, s] each
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and cuda):
+            loss = step_model(idx, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    return {"ms_per_iter": 1000 * elapsed / iters, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "final_loss": losses[-1].item()}
+    return {"ms_per_iter": 1000 * elapsed / iters,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "losses": [x.item() for x in losses]}
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from corpus import batches, prepare_dataset
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--vocab", type=int, default=50304, help="embedding rows (GPT-2's 50,257 padded to 128)")
+    ap.add_argument("--iters", type=int, default=20, help="timed iterations")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
+    ap.add_argument("--compile", action="store_true", help="train under torch.compile")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32, a check of the script")
+    ap.add_argument("--data-prefix", default=None, help=".bin/.idx prefix (default: tokenise the bundled corpus)")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible (use --device cpu for a check of the script)")
     torch.backends.cuda.matmul.allow_tf32 = True
-    with torch.device("cuda"):
+    prefix = a.data_prefix or prepare_dataset(tempfile.mkdtemp(prefix="bench_data_"))
+    data = batches(prefix, a.seq, a.batch, a.warmup + a.iters)
+    with torch.device(a.device):
         model = MinimalGPT(a.layers, a.hidden, a.heads, a.seq, a.vocab)
     step = torch.compile(model) if a.compile else model
-    print(json.dumps(train_and_time(model, step, a.vocab, a.seq, a.batch, a.iters, a.warmup)))
+    print(json.dumps(train_and_time(model, step, data, a.iters, a.warmup)))
 
 
 if __name__ == "__main__":

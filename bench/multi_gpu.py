@@ -1,8 +1,8 @@
 """Our trainer on several GPUs of one host (torchrun, NCCL): throughput, MFU per GPU and peak memory per layout.
 
 Each layout runs pretrain_gpt.py under ``torchrun --nproc_per_node N`` on the bundled corpus (tokenised with
-tools/preprocess_data.py), with the flags of ``bench/gpu_throughput.py``'s ``ours`` rows; a one-GPU row of the
-same shape runs in the same session as the baseline. Layouts (``--layout NAME:NPROC:MICRO:GLOBAL:FLAGS``, repeat;
+tools/preprocess_data.py, ``bench/corpus.py``), with the flags of ``bench/gpu_throughput.py``'s ``ours`` rows; a one-GPU row of the
+same shape runs in the same call as the baseline. Layouts (``--layout NAME:NPROC:MICRO:GLOBAL:FLAGS``, repeat;
 the defaults below when none is given):
 
   1gpu     1 GPU, the recorded one-GPU 1.3B configuration (selective ``mlp_act`` recomputation in 12 layers)
@@ -10,8 +10,8 @@ the defaults below when none is given):
   tp2_sp   2 GPUs, tensor parallel with sequence parallelism, no recomputation
   pp2      2 GPUs, two pipeline stages, 1F1B over 8 microbatches of 4
 
-MFU per GPU = (tokens/s / GPUs) x (72 L h^2 + 12 L h s + 6 h V) / 989e12, the single-GPU formula of
-``gpu_throughput.py`` applied to each GPU's share. Peak memory is the largest ``torch.cuda.max_memory_allocated``
+MFU per GPU = (tokens/s / GPUs) x model FLOPs per token / the dense bf16 peak (989 TFLOP/s on H100/H200 SXM): the
+single-GPU formula of ``gpu_throughput.py`` (FLOPs from ``megatron.training.logging``) applied to each GPU's share. Peak memory is the largest ``torch.cuda.max_memory_allocated``
 over the ranks. Writes ``bench/results/multi_gpu[_TAG].{json,md}`` with the GPU, versions, date and commands.
 
     python bench/multi_gpu.py                      # the four default layouts at 1.3B on 2 GPUs
@@ -35,7 +35,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gpu_throughput import SHAPES, environment, mfu, ours_command, parse_ours_log, prepare_dataset  # noqa: E402
+from gpu_throughput import (BF16_PEAK_TFLOPS, SHAPES, environment, mfu, ours_command, parse_ours_log,  # noqa: E402
+                            prepare_dataset)
 
 SHAPES = dict(SHAPES, tiny=dict(num_layers=4, hidden_size=64, num_heads=4, seq_length=128, micro_batch_size=4))
 RECOMPUTE_1_3B = "--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12"
@@ -104,9 +105,10 @@ def write(out_json: str, meta: dict, rows: list) -> None:
     md = [f"# Our trainer on several GPUs ({meta['date']})", "",
           f"GPU: {env['gpu']} x {meta['gpus_visible']}; torch {env['torch']} (CUDA {env['cuda']}), "
           f"triton {env['triton']}, Python {env['python']}.", "", f"Command: `{meta['command']}`", "",
-          "MFU per GPU = (tokens/s / GPUs) x (72 L h^2 + 12 L h s + 6 h V) / 989e12, V = 50304; bf16, AdamW, "
+          "MFU per GPU = (tokens/s / GPUs) x (72 L h^2 + 12 L h s + 6 h V) / bf16 dense peak "
+          f"{BF16_PEAK_TFLOPS:g} TFLOP/s, V = 50304; bf16, AdamW, "
           "dropout 0. Iterations after the warm-up averaged; peak memory is the largest over the ranks.", "",
-          "| layout | GPUs | micro / global batch | ms/iter (median) | tokens/s | tokens/s/GPU | MFU/GPU | "
+          f"| layout | GPUs | micro / global batch | ms/iter (median) | tokens/s | tokens/s/GPU | MFU/GPU (bf16 peak {BF16_PEAK_TFLOPS:g}) | "
           "log TFLOP/s/GPU | peak mem (GiB) | last loss |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -58,11 +58,12 @@ def _make_step(impl: str, groups: list, mains: list, models: list, hyper: dict):
 
 
 def main() -> None:
-    from triton.testing import do_bench_cudagraph
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/optimizer_step.py times GPU kernels: no CUDA device is visible")
+    from triton.testing import do_bench_cudagraph
     rows = []
     hyper = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
     for name, (layers, hidden, _, seq) in SHAPES.items():

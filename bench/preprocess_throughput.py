@@ -260,7 +260,7 @@ def main() -> int:
     ap.add_argument("--baseline-repeats", type=int, default=1)
     ap.add_argument("--compare-no-tiktoken", action="store_true",
                     help="also time our command with MEGATRON_NO_TIKTOKEN=1 (the Hugging Face BPE for new pieces)")
-    ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results", "preprocess_run"),
+    ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results", "preprocess"),
                     help="write PREFIX.md and PREFIX.json")
     ap.add_argument("--input-gz", default=os.path.join(SHARED, "corpus", "prose.jsonl.gz"))
     ap.add_argument("--large", type=int, default=0, metavar="K",

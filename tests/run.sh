@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash examples/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# tests/gpu: the CPU fallbacks run here, the CUDA tests skip without a GPU
+# tests/gpu holds the CUDA-only tests: collected here so that they report as skipped without a GPU
 exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider tests/unit tests/functional tests/gpu "$@"

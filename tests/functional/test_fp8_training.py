@@ -35,9 +35,16 @@ def test_recomputation_is_exact_under_fp8(data_prefix, fp8_run, recompute):
 
 @pytest.mark.parametrize("extra", [{}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}],
                          ids=["ddp", "distributed-optimizer-overlap"])
-def test_data_parallel_matches_gradient_accumulation_under_fp8(data_prefix, fp8_run, extra):
-    run = losses(gpt_args(data_prefix, **FP8, **extra), nproc=2)
-    assert_same_losses(fp8_run, run, rel=1e-5, keys=("lm loss", "grad norm"))
+def test_data_parallel_matches_gradient_accumulation_under_fp8(data_prefix, extra):
+    # Two microbatches of 2: one process adds the second microbatch's fp32 gradient to the first's, DP=2 adds
+    # the two ranks' gradients in the all-reduce: the same single fp32 addition, so the runs are bit-identical.
+    # With more microbatches per rank the sums associate differently ((g1+g2)+g3)+g4 vs (g1+g2)+(g3+g4); the
+    # ~1e-7 difference moves an FP8 rounding of the next iteration's weights now and then, and the losses then
+    # differ by ~1e-4 on some CPUs and not on others. Equality is only promised for the same additions.
+    batch = {"global_batch_size": 4, "micro_batch_size": 2}
+    single = losses(gpt_args(data_prefix, **FP8, **batch))
+    run = losses(gpt_args(data_prefix, **FP8, **batch, **extra), nproc=2)
+    assert_same_losses(single, run, rel=0.0, keys=("lm loss", "grad norm"))
 
 
 def test_fp8_resume_is_bit_exact_and_a_bf16_checkpoint_resumes_under_fp8(data_prefix, tmp_path):
@@ -55,4 +62,6 @@ def test_fp8_resume_is_bit_exact_and_a_bf16_checkpoint_resumes_under_fp8(data_pr
     fp8_rest = losses(gpt_args(data_prefix, train_iters=12, load=bf16_ckpt, **FP8))
     assert sorted(fp8_rest) == list(range(7, 13))
     for it in fp8_rest:  # the same weights and optimizer state continue, now with FP8 GEMMs
-        assert abs(fp8_rest[it]["lm loss"] - bf16_rest[it]["lm loss"]) < 0.05, it
+        # FP8 GEMMs vs bf16 from the same state: within 1e-2 per iteration (measured at most 3.5e-3, see
+        # test_mixed_precision.py), a tenth of an iteration's progress
+        assert abs(fp8_rest[it]["lm loss"] - bf16_rest[it]["lm loss"]) < 1e-2, it

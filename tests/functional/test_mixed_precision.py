@@ -5,12 +5,19 @@ import pytest
 
 from tests.functional.harness import gpt_args, losses
 
+# Tolerances per iteration, from measured deviations of these 10-iteration runs (CPU, 2026-12): bf16 vs fp32 at
+# most 4.5e-4, FP8 vs bf16 at most 3.5e-3 (e4m3 everywhere), while one iteration lowers the loss by 0.02-0.24
+# (0.11 on average). The bounds leave ~3-7x room for CPU-to-CPU rounding differences and still fail on an
+# error worth a tenth of an iteration of progress (a wrong scale, a dropped microbatch, a missed gradient).
+BF16_VS_FP32 = 3e-3
+FP8_VS_BF16 = 1e-2
+
 
 def test_bf16_trains_and_tracks_fp32(data_prefix, baseline):
     run = losses(gpt_args(data_prefix, bf16=True))
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
     for it in run:  # bf16 weights/activations with fp32 main params stay close to the fp32 curve
-        assert abs(run[it]["lm loss"] - baseline[it]["lm loss"]) < 0.05, it
+        assert abs(run[it]["lm loss"] - baseline[it]["lm loss"]) < BF16_VS_FP32, it
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 
@@ -26,7 +33,7 @@ def test_fp8_trains_and_tracks_bf16(data_prefix, fmt, tp, pp, dp):
                  nproc=tp * pp * dp)
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
     for it in run:  # FP8 GEMMs (3 or 2 mantissa bits) on top of bf16 stay close to the bf16 curve
-        assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < 0.05, it
+        assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < FP8_VS_BF16, it
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 
@@ -39,7 +46,7 @@ def test_fp8_delayed_scaling_trains_and_tracks_bf16(data_prefix, history, algo, 
                           pipeline_model_parallel_size=pp), nproc=tp * pp)
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
     for it in run:
-        assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < 0.05, it
+        assert abs(run[it]["lm loss"] - bf16[it]["lm loss"]) < FP8_VS_BF16, it
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 

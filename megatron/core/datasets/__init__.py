@@ -1,4 +1,4 @@
-"""Token datasets: the mmapped .bin/.idx format, GPT samples, blending and the pretraining sampler.
+"""Token datasets: the mmapped .bin/.idx format, GPT and BERT samples, blending and the pretraining sampler.
 
 Names are imported lazily so that preprocessing (which needs no torch) starts quickly.
 """
@@ -6,6 +6,10 @@ Names are imported lazily so that preprocessing (which needs no torch) starts qu
 import importlib
 
 _EXPORTS = {
+    "BERTMaskedDataset": "megatron.core.datasets.bert_dataset",
+    "BertDatasetConfig": "megatron.core.datasets.bert_dataset",
+    "WordPieceVocab": "megatron.core.datasets.bert_dataset",
+    "MaskingConfig": "megatron.core.datasets.masking",
     "BlendedDataset": "megatron.core.datasets.blended_dataset",
     "GPTDataset": "megatron.core.datasets.gpt_dataset",
     "IndexedDataset": "megatron.core.datasets.indexed_dataset",
@@ -14,6 +18,7 @@ _EXPORTS = {
     "MegatronPretrainingSampler": "megatron.core.datasets.samplers",
     "build_pretraining_data_loader": "megatron.core.datasets.samplers",
     "build_gpt_datasets": "megatron.core.datasets.builder",
+    "build_bert_datasets": "megatron.core.datasets.builder",
     "parse_data_path": "megatron.core.datasets.builder",
     "parse_split": "megatron.core.datasets.builder",
 }

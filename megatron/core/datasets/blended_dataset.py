@@ -7,14 +7,14 @@ and is that dataset's next sample; so after any prefix of ``t`` samples each dat
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from megatron.core.datasets.blending import build_blending_indices, build_exhaustive_blending_indices
+from megatron.core.datasets.index_cache import IndexCache, description_hash
+
+_INDEX_KEYS = ("dataset_index", "dataset_sample_index")
 
 
 def normalize(weights: Sequence[float]) -> List[float]:
@@ -50,19 +50,15 @@ class BlendedDataset:
             "size": size,
             "split": split,
         }
-        self.hash = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()[:32]
+        self.hash = description_hash(self.description)
         self.dataset_index, self.dataset_sample_index = self._load_or_build(cache_dir, build)
 
-    def _paths(self, cache_dir: str):
-        base = os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{self.split}")
-        return {k: f"{base}-{k}.npy" for k in ("dataset_index", "dataset_sample_index")}
-
     def _load_or_build(self, cache_dir: Optional[str], build: bool):
-        if cache_dir is not None:
-            paths = self._paths(cache_dir)
-            if all(os.path.isfile(p) for p in paths.values()):
-                return (np.load(paths["dataset_index"], mmap_mode="r"),
-                        np.load(paths["dataset_sample_index"], mmap_mode="r"))
+        cache = IndexCache(cache_dir, self.description, "BlendedDataset", self.split, _INDEX_KEYS)
+        arrays = cache.load_or_build(self._build_indices, may_save=build)
+        return arrays["dataset_index"], arrays["dataset_sample_index"]
+
+    def _build_indices(self):
         if self.size is not None:
             ds, ds_sample = build_blending_indices(self.weights, self.size)
         else:
@@ -73,13 +69,7 @@ class BlendedDataset:
                 raise ValueError(
                     f"the {self.split} blend asks dataset {i} for {n} samples but it has {len(d)}; "
                     f"request more samples from it (Megatron builds a 0.5% surplus per dataset)")
-        if cache_dir is not None and build:
-            from megatron.core.datasets.gpt_dataset import _save_atomically
-
-            _save_atomically(cache_dir, self._paths(cache_dir),
-                             {"dataset_index": ds, "dataset_sample_index": ds_sample}, self.description,
-                             f"{self.hash}-BlendedDataset-{self.split}-description.txt")
-        return ds, ds_sample
+        return {"dataset_index": ds, "dataset_sample_index": ds_sample}
 
     def __len__(self) -> int:
         return self.dataset_index.shape[0]

@@ -1,10 +1,12 @@
-"""``build_gpt_datasets``: train/valid/test datasets from ``--data-path``, ``--split`` and sample counts.
+"""``build_gpt_datasets`` / ``build_bert_datasets``: train/valid/test datasets from ``--data-path``, ``--split``
+and sample counts.
 
 Follows Megatron-Core's ``BlendedMegatronDatasetBuilder`` for a blend shared by all splits:
 
 * ``--split "949,50,1"`` is normalised to fractions; split ``i`` covers documents
   ``[round(lo_i * docs), round(hi_i * docs))`` of every dataset, ``lo``/``hi`` the running sums;
-* one prefix without a weight: each split is one ``GPTDataset`` asked for the split's sample count;
+* one prefix without a weight: each split is one dataset (``GPTDataset`` or ``BERTMaskedDataset``) asked
+  for the split's sample count;
 * weighted prefixes: dataset ``j`` is asked for ``ceil(ceil(n_i * w_j) * 1.005)`` samples of split ``i``
   (the 0.5% surplus) and the split is a ``BlendedDataset`` of ``sum_j ceil(n_i * w_j)`` samples;
 * several prefixes without weights: every dataset is one epoch; the split blends them by their sizes,
@@ -26,10 +28,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.core.datasets.bert_dataset import BERTMaskedDataset, BertDatasetConfig, check_sentence_data
 from megatron.core.datasets.blended_dataset import BlendedDataset, normalize
-from megatron.core.datasets.gpt_dataset import SPLIT_NAMES, GPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, dataset_exists
 
+SPLIT_NAMES = ("train", "valid", "test")
 MID_LEVEL_SURPLUS = 0.005
 
 
@@ -72,13 +76,34 @@ def split_bounds(fractions: Sequence[float]) -> List[Optional[Tuple[float, float
     return [(lo, hi) if hi > lo else None for lo, hi in zip(ends[:-1], ends[1:])]
 
 
+def split_range(num_docs: int, bounds: Optional[Tuple[float, float]]) -> Tuple[int, int]:
+    """Half-open document range ``[beg, end)`` of one split (``(0, 0)`` for a split without a share)."""
+    if bounds is None:
+        return 0, 0
+    return int(round(bounds[0] * float(num_docs))), int(round(bounds[1] * float(num_docs)))
+
+
 def split_documents(num_docs: int, bounds: Optional[Tuple[float, float]]) -> Optional[np.ndarray]:
     """Document ids (int32) of one split."""
     if bounds is None:
         return None
-    beg = int(round(bounds[0] * float(num_docs)))
-    end = int(round(bounds[1] * float(num_docs)))
+    beg, end = split_range(num_docs, bounds)
     return np.arange(beg, end, dtype=np.int32)
+
+
+def check_splits_not_empty(indexed: Sequence[IndexedDataset], bounds, wanted: Sequence[bool], split: str) -> None:
+    """Raise ``ValueError`` naming the document range and ``--split`` when a split asked for samples is empty."""
+    for ds in indexed:
+        num_docs = len(ds.document_indices) - 1
+        for i in range(3):
+            if not wanted[i]:
+                continue
+            beg, end = split_range(num_docs, bounds[i])
+            if end == beg:
+                raise ValueError(
+                    f"the {SPLIT_NAMES[i]} split of {ds.path_prefix} is empty (documents [{beg}, {end}) of "
+                    f"{num_docs} with --split {split}): it has 0 tokens; give it a larger share in --split "
+                    f"or ask it for 0 samples")
 
 
 def _per_dataset_sizes(weights: Sequence[float], sizes: Sequence[int], surplus: float = 0.0) -> List[List[int]]:
@@ -89,6 +114,40 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
                        train_valid_test_num_samples: Sequence[int], cache_dir: Optional[str] = None,
                        is_rank_0: bool = True, barrier: Optional[Callable[[], None]] = None):
     """(train, valid, test) datasets whose items are ``{"text": int64[seq_length + 1]}`` (see module doc)."""
+    if seq_length < 1:
+        raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+
+    def make(ds: IndexedDataset, documents: np.ndarray, num_samples: Optional[int], name: str, build: bool):
+        return GPTDataset(ds, documents, num_samples, seq_length, seed, name, cache_dir, build)
+
+    return build_split_datasets(make, data_path, split, train_valid_test_num_samples, cache_dir, is_rank_0,
+                                barrier)
+
+
+def build_bert_datasets(data_path: Sequence[str], split: str, config: BertDatasetConfig,
+                        train_valid_test_num_samples: Sequence[int], cache_dir: Optional[str] = None,
+                        is_rank_0: bool = True, barrier: Optional[Callable[[], None]] = None):
+    """(train, valid, test) masked-LM datasets of sentence-split data (``BERTMaskedDataset`` items)."""
+
+    def make(ds: IndexedDataset, documents: np.ndarray, num_samples: Optional[int], name: str, build: bool):
+        return BERTMaskedDataset(ds, documents, num_samples, config, name, cache_dir, build)
+
+    return build_split_datasets(make, data_path, split, train_valid_test_num_samples, cache_dir, is_rank_0,
+                                barrier, check=_check_bert_data)
+
+
+def _check_bert_data(indexed: Sequence[IndexedDataset]) -> None:
+    for ds in indexed:
+        check_sentence_data(ds)
+
+
+def build_split_datasets(make: Callable, data_path: Sequence[str], split: str,
+                         train_valid_test_num_samples: Sequence[int], cache_dir: Optional[str] = None,
+                         is_rank_0: bool = True, barrier: Optional[Callable[[], None]] = None,
+                         check: Optional[Callable[[Sequence[IndexedDataset]], None]] = None):
+    """(train, valid, test) of any dataset class: ``make(indexed, documents, num_samples, split_name, build)``
+    returns one split's dataset of one prefix; blends are built around them as the module doc says.
+    ``check(indexed_datasets)`` validates the data on every rank before any barrier."""
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples needs 3 counts, got {train_valid_test_num_samples}")
     sizes = [int(n) for n in train_valid_test_num_samples]
@@ -96,15 +155,17 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
         raise ValueError(f"sample counts must be >= 0, got {sizes}")
     prefixes, weights = parse_data_path(data_path)
     bounds = split_bounds(parse_split(split))
-    if seq_length < 1:
-        raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
     for p in prefixes:  # checked on every rank before any barrier, so no rank waits for a failed one
         if not dataset_exists(p):
             raise ValueError(f"--data-path {p}: expected {p}.bin and {p}.idx")
     wanted = [bounds[i] is not None and sizes[i] > 0 for i in range(3)]
+    indexed = [IndexedDataset(p) for p in prefixes]
+    check_splits_not_empty(indexed, bounds, wanted, split)
+    if check is not None:
+        check(indexed)
 
     def build_all(build: bool):
-        return _build(prefixes, weights, bounds, sizes, wanted, seq_length, seed, cache_dir, build)
+        return _build(make, indexed, weights, bounds, sizes, wanted, cache_dir, build)
 
     if barrier is None:
         return build_all(True)
@@ -116,15 +177,13 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
     return build_all(False)
 
 
-def _build(prefixes, weights, bounds, sizes, wanted, seq_length, seed, cache_dir, build):
-    indexed = [IndexedDataset(p) for p in prefixes]
-
-    def gpt(ds: IndexedDataset, i: int, num_samples: Optional[int]):
+def _build(make, indexed, weights, bounds, sizes, wanted, cache_dir, build):
+    def one(ds: IndexedDataset, i: int, num_samples: Optional[int]):
         docs = split_documents(len(ds.document_indices) - 1, bounds[i])
-        return GPTDataset(ds, docs, num_samples, seq_length, seed, SPLIT_NAMES[i], cache_dir, build)
+        return make(ds, docs, num_samples, SPLIT_NAMES[i], build)
 
-    if len(prefixes) == 1 and weights is None:
-        return tuple(gpt(indexed[0], i, sizes[i]) if wanted[i] else None for i in range(3))
+    if len(indexed) == 1 and weights is None:
+        return tuple(one(indexed[0], i, sizes[i]) if wanted[i] else None for i in range(3))
 
     out: List[Optional[object]] = [None, None, None]
     if weights is not None:
@@ -133,13 +192,13 @@ def _build(prefixes, weights, bounds, sizes, wanted, seq_length, seed, cache_dir
         buffer = _per_dataset_sizes(w, sizes, MID_LEVEL_SURPLUS)
         for i in range(3):
             if wanted[i]:
-                mids = [gpt(ds, i, buffer[j][i]) for j, ds in enumerate(indexed)]
+                mids = [one(ds, i, buffer[j][i]) for j, ds in enumerate(indexed)]
                 size = sum(target[j][i] for j in range(len(indexed)))
                 out[i] = BlendedDataset(mids, w, size, cache_dir, build, SPLIT_NAMES[i])
     else:
         for i in range(3):
             if wanted[i]:
-                mids = [gpt(ds, i, None) for ds in indexed]
+                mids = [one(ds, i, None) for ds in indexed]
                 lengths = [len(m) for m in mids]
                 size = min(sizes[i], sum(lengths))
                 out[i] = BlendedDataset(mids, lengths, size, cache_dir, build, SPLIT_NAMES[i])

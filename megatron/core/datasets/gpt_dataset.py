@@ -22,13 +22,12 @@ number of samples ``num_samples``:
 Item ``i`` is ``{"text": int64[seq_length + 1]}``: sample ``shuffle_index[i]``.
 
 The three indices are saved as ``.npy`` under a cache directory, named by a hash of everything that
-determines them; one rank builds them and the others memory-map them (see ``build_gpt_datasets``).
+determines them (``index_cache.py``); one rank builds them and the others memory-map them (see
+``builder.build_gpt_datasets``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -36,13 +35,14 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from megatron.core.datasets.index_cache import IndexCache, description_hash
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
 
-SPLIT_NAMES = ("train", "valid", "test")
 LAST_EPOCH_THRESHOLD = 0.80
 _INDEX_FORMAT = "megatron-lite-gpt-v1"
+_INDEX_KEYS = ("document_index", "sample_index", "shuffle_index")
 
 
 def num_epochs_for(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int) -> int:
@@ -159,33 +159,26 @@ class GPTDataset:
             "seq_length": seq_length,
             "seed": seed,
         }
-        self.hash = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()[:32]
+        self.hash = description_hash(self.description)
         self.document_index, self.sample_index, self.shuffle_index = self._load_or_build(cache_dir, build)
 
-    def _paths(self, cache_dir: str) -> Dict[str, str]:
-        base = os.path.join(cache_dir, f"{self.hash}-GPTDataset-{self.split}")
-        return {k: f"{base}-{k}.npy" for k in ("document_index", "sample_index", "shuffle_index")}
-
     def _load_or_build(self, cache_dir: Optional[str], build: bool):
-        if cache_dir is not None:
-            paths = self._paths(cache_dir)
-            if all(os.path.isfile(p) for p in paths.values()):
-                return tuple(np.load(paths[k], mmap_mode="r") for k in
-                             ("document_index", "sample_index", "shuffle_index"))
+        cache = IndexCache(cache_dir, self.description, "GPTDataset", self.split, _INDEX_KEYS)
+        arrays = cache.load_or_build(self._build_indices, may_save=build)
+        return tuple(arrays[k] for k in _INDEX_KEYS)
+
+    def _build_indices(self) -> Dict[str, np.ndarray]:
         t0 = time.time()
         try:
             indices = build_indices(self.indexed.sequence_lengths, self.documents, self.num_samples,
                                     self.seq_length, self.seed)
         except ValueError as err:
-            raise ValueError(f"the {self.split} split of {self.indexed.path_prefix} (documents "
-                             f"{self.description['documents']}): {err}; adjust --split") from None
+            beg, end = self.description["documents"]
+            raise ValueError(f"the {self.split} split of {self.indexed.path_prefix} (documents [{beg}, {end})): "
+                             f"{err}; give it a larger share in --split") from None
         logger.info("built GPTDataset %s indices (%d samples) in %.2f s", self.split, len(indices[2]),
                     time.time() - t0)
-        if cache_dir is not None and build:
-            _save_atomically(cache_dir, self._paths(cache_dir), dict(zip(
-                ("document_index", "sample_index", "shuffle_index"), indices)), self.description,
-                f"{self.hash}-GPTDataset-{self.split}-description.txt")
-        return indices
+        return dict(zip(_INDEX_KEYS, indices))
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -208,22 +201,3 @@ class GPTDataset:
     def __getitem__(self, idx) -> Dict[str, np.ndarray]:
         return {"text": self.get_sample(int(idx))}
 
-
-def _save_atomically(cache_dir: str, paths: Dict[str, str], arrays: Dict[str, np.ndarray],
-                     description: dict, description_name: str) -> None:
-    """Write the ``.npy`` files under temporary names, then rename: readers never see half a file."""
-    os.makedirs(cache_dir, exist_ok=True)
-    for key, path in paths.items():
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            np.save(f, arrays[key], allow_pickle=False)
-        os.replace(tmp, path)
-    with open(os.path.join(cache_dir, description_name), "w") as f:
-        json.dump(description, f, indent=1, sort_keys=True)
-
-
-def build_gpt_datasets(*args, **kwargs):
-    """Train/valid/test GPT datasets; see ``megatron.core.datasets.builder.build_gpt_datasets``."""
-    from megatron.core.datasets.builder import build_gpt_datasets as _build
-
-    return _build(*args, **kwargs)

@@ -101,6 +101,7 @@ _WORKER: Dict[str, object] = {}
 def _init_worker(cfg: PreprocessConfig, tok=None) -> None:
     from megatron.core.tokenizer import build_tokenizer
 
+    _WORKER.clear()  # nothing of an earlier run in this process (or in its parent) may leak into this one
     _WORKER["cfg"] = cfg
     _WORKER["tok"] = tok if tok is not None else \
         build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model)

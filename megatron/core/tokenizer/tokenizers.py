@@ -189,7 +189,12 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
     def __init__(self, vocab_file: str, lower_case: bool):
         self.name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
         _require_file(vocab_file, "--vocab-file", self.name)
-        tok = Tokenizer(models.WordPiece.from_file(vocab_file, unk_token="[UNK]", max_input_chars_per_word=100))
+        # Megatron appends [BOS] then [EOS] as ordinary vocabulary entries (not special tokens matched in the text);
+        # like Megatron's WordPiece, a word of over 200 characters is [UNK].
+        vocab = models.WordPiece.read_file(vocab_file)
+        for extra in ("[BOS]", "[EOS]"):
+            vocab.setdefault(extra, len(vocab))
+        tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=200))
         tok.normalizer = normalizers.BertNormalizer(
             clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case
         )
@@ -199,10 +204,6 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
         for special in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"):
             if special not in vocab:
                 raise ValueError(f"--vocab-file {vocab_file} lacks the BERT special token {special}")
-        # Megatron appends [BOS] then [EOS] as ordinary vocabulary entries.
-        for extra in ("[BOS]", "[EOS]"):
-            if tok.token_to_id(extra) is None:
-                tok.add_special_tokens([extra])
         super().__init__(tok)
         self.cls = tok.token_to_id("[CLS]")
         self.sep = tok.token_to_id("[SEP]")

@@ -46,29 +46,38 @@ class TransformerBlock(nn.Module):
                 raise ValueError(f"--recompute-num-layers must be >= 1, got {n}")
 
     def _run(self, start: int, end: int):
-        def fn(hidden: torch.Tensor) -> torch.Tensor:
+        def fn(hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
             for i in range(start, end):
-                hidden = self._layer_fns[i](hidden)
+                hidden = self._call_layer(i, hidden, attention_mask)
             return hidden
 
         return fn
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _call_layer(self, i: int, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        # the causal (GPT) call keeps its one-argument form
+        if attention_mask is None:
+            return self._layer_fns[i](hidden)
+        return self._layer_fns[i](hidden, attention_mask)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``attention_mask``: optional bool key-padding mask ``[b, 1, 1, s]`` (True = masked out), handed to every
+        layer (``config.attention_mask_type == "padding"`` only)."""
         n_layers = len(self.layers)
         cfg = self.config
         if cfg.recompute_granularity == "full" and self.training and n_layers > 0:
             n = cfg.recompute_num_layers or 1
             if cfg.recompute_method == "uniform":
                 for start in range(0, n_layers, n):
-                    hidden = tensor_parallel.checkpoint(self._run(start, min(start + n, n_layers)), hidden)
+                    hidden = tensor_parallel.checkpoint(self._run(start, min(start + n, n_layers)), hidden,
+                                                        attention_mask)
             else:  # block
                 for i in range(n_layers):
                     if i < n:
-                        hidden = tensor_parallel.checkpoint(self._run(i, i + 1), hidden)
+                        hidden = tensor_parallel.checkpoint(self._run(i, i + 1), hidden, attention_mask)
                     else:
-                        hidden = self._layer_fns[i](hidden)
+                        hidden = self._call_layer(i, hidden, attention_mask)
         else:
-            hidden = self._run(0, n_layers)(hidden)
+            hidden = self._run(0, n_layers)(hidden, attention_mask)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

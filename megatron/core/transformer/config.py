@@ -11,6 +11,7 @@ from megatron.core.fusions.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIP
 
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
+ATTENTION_MASK_TYPES = ("causal", "padding")
 
 
 @dataclass
@@ -54,6 +55,12 @@ class TransformerConfig:
     fp8_recipe: str = "tensorwise"
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
+    # "causal" (GPT: each position sees itself and the past) or "padding" (BERT: bidirectional; the layers take
+    # an optional boolean key-padding mask [b, 1, 1, s], True = masked out)
+    attention_mask_type: str = "causal"
+    # the original BERT order: the residual branch starts from the LayerNorm's output instead of its input
+    # (Megatron-LM's --apply-residual-connection-post-layernorm; docs/bert.md shows it is the post-LN BERT)
+    apply_residual_connection_post_layernorm: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -83,6 +90,9 @@ class TransformerConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend}")
+        if self.attention_mask_type not in ATTENTION_MASK_TYPES:
+            raise ValueError(f"attention mask type must be one of {', '.join(ATTENTION_MASK_TYPES)}, "
+                             f"got {self.attention_mask_type}")
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ValueError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8}")
         if self.fp8_margin < 0:

@@ -100,13 +100,23 @@ class TransformerLayer(nn.Module):
             return tensor_parallel.get_rng_tracker().fork()
         return contextlib.nullcontext()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _norm(self, layernorm: LayerNorm, hidden: torch.Tensor):
+        """(LayerNorm output, residual): the residual is the LayerNorm's input (pre-LN), or its output under
+        ``apply_residual_connection_post_layernorm`` (the original BERT order)."""
+        if self.config.apply_residual_connection_post_layernorm:
+            normed = layernorm(hidden)
+            return normed, normed
+        return layernorm.with_residual(hidden)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: optional bool key-padding mask ``[b, 1, 1, s]`` (True = masked out); only with
+        ``config.attention_mask_type == "padding"``."""
         p, fused = self.config.hidden_dropout, self.config.use_fused_kernels and self.config.bias_dropout_fusion
-        normed, residual = self.input_layernorm.with_residual(hidden)
-        attn_out, attn_bias = self.self_attention(normed)
+        normed, residual = self._norm(self.input_layernorm, hidden)
+        attn_out, attn_bias = self.self_attention(normed, attention_mask)
         with self._dropout_rng():
             hidden = bias_dropout_add(attn_out, attn_bias, residual, p, self.training, use_fused=fused)
-        normed, residual = self.pre_mlp_layernorm.with_residual(hidden)
+        normed, residual = self._norm(self.pre_mlp_layernorm, hidden)
         mlp_out, mlp_bias = self.mlp(normed)
         with self._dropout_rng():
             hidden = bias_dropout_add(mlp_out, mlp_bias, residual, p, self.training, use_fused=fused)

@@ -212,3 +212,40 @@ def test_build_errors_name_the_flag(tmp_path):
     prefix = _write(str(tmp_path / "d"), _docs(6, 10))
     with pytest.raises(ValueError, match="--seq-length"):
         build_gpt_datasets([prefix], "1", 0, 1, (4, 0, 0))
+
+
+def test_empty_split_error_names_the_half_open_range_and_flag(tmp_path):
+    """Megatron's default --split on a small corpus leaves the test split without documents."""
+    prefix = _write(str(tmp_path / "d"), _docs(7, 300))
+    with pytest.raises(ValueError, match=r"test split .* \(documents \[300, 300\) of 300 with --split 949,50,1"):
+        build_gpt_datasets([prefix], "949,50,1", 8, 1, (10, 5, 1))
+    train, valid, test = build_gpt_datasets([prefix], "949,50,1", 8, 1, (10, 5, 0))  # no test samples asked
+    assert test is None and len(train) >= 10 and len(valid) >= 5
+
+
+def test_dataset_modules_import_one_way():
+    """Within megatron/core/datasets the imports form no cycle and no module imports another's private name."""
+    import ast
+
+    from tests.conftest import ROOT
+
+    folder = os.path.join(ROOT, "megatron", "core", "datasets")
+    graph = {}
+    for name in os.listdir(folder):
+        if not name.endswith(".py") or name == "__init__.py":
+            continue
+        tree = ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron.core.datasets."):
+                deps.add(node.module.rsplit(".", 1)[1])
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{name} imports private {private} from {node.module}"
+        graph[name[:-3]] = deps
+
+    def reaches(start, target, seen):
+        return any(d == target or (d not in seen and reaches(d, target, seen | {d})) for d in graph.get(start, ()))
+
+    assert "builder" in graph and graph["builder"] >= {"gpt_dataset", "blended_dataset"}
+    for module in graph:
+        assert not reaches(module, module, set()), f"{module} imports itself through a cycle"

@@ -15,7 +15,8 @@ from megatron.core.datasets import IndexedDataset
 from megatron.core.datasets import preprocessing as P
 from megatron.core.datasets.indexed_dataset import optimal_dtype
 from megatron.core.tokenizer import build_tokenizer
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import ROOT
+from tests.unit.data.shared_files import shared_file
 
 VOCAB = os.path.join(ROOT, "data", "gpt2-vocab.json")
 MERGES = os.path.join(ROOT, "data", "gpt2-merges.txt")
@@ -61,7 +62,7 @@ def test_prose_prefix_byte_identical_to_megatron(tmp_path):
     """First 1,500 documents of prose.jsonl, 2 workers: the files Megatron-LM's procedure writes."""
     golden = json.load(open(GOLDEN))
     src = tmp_path / "prose_head.jsonl"
-    with gzip.open(os.path.join(SHARED_DATA, "corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f, \
+    with gzip.open(shared_file("corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f, \
             open(src, "w", encoding="utf-8") as g:
         for i, line in zip(range(golden["first_lines"]), f):
             g.write(line)
@@ -212,7 +213,7 @@ def test_split_sentences_offline(tmp_path, monkeypatch):
 
 def test_bert_tokenizer_preprocess(tmp_path):
     _write_jsonl(tmp_path / "in.jsonl", [{"text": "Hello World."}, {"text": "Second."}])
-    vocab = os.path.join(SHARED_DATA, "bert", "vocab.txt")
+    vocab = shared_file("bert", "vocab.txt")
     P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "b", tokenizer_type="BertWordPieceLowerCase",
                       vocab_file=vocab, merge_file=None))
     ds = IndexedDataset(str(tmp_path / "b_text_document"))
@@ -227,3 +228,30 @@ def test_flag_errors(tmp_path):
         P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "x", workers=0))
     with pytest.raises(ValueError, match="--output-prefix"):
         P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "nodir" / "x"))
+
+
+def test_bert_sentences_byte_identical_to_megatron(tmp_path):
+    """--split-sentences with BertWordPieceLowerCase on real prose (plus an empty document and a literal [EOS])
+    writes the files of Megatron-LM's procedure with its own BERT tokenizer (golden/make_bert_preprocess_golden.py)."""
+    golden = json.load(open(os.path.join(os.path.dirname(GOLDEN), "bert_preprocess_golden.json")))
+    vocab = shared_file("bert", "vocab.txt")
+    src = tmp_path / "prose_head.jsonl"
+    with gzip.open(shared_file("corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f, \
+            open(src, "w", encoding="utf-8") as g:
+        g.writelines([line for _, line in zip(range(golden["first_lines"]), f)] + golden["extra_lines"])
+    P.preprocess(_cfg(src, tmp_path / "ours", tokenizer_type="BertWordPieceLowerCase", vocab_file=vocab,
+                      merge_file=None, split_sentences=True, append_eod=False, workers=2))
+    got = str(tmp_path / "ours_text_sentence")
+    assert os.path.getsize(got + ".bin") == golden["bin_bytes"] and os.path.getsize(got + ".idx") == golden["idx_bytes"]
+    assert _sha(got + ".bin") == golden["bin_sha256"] and _sha(got + ".idx") == golden["idx_sha256"]
+    assert len(IndexedDataset(got)) > 5 * golden["first_lines"]  # several sentences per document
+
+
+def test_runs_in_one_process_do_not_leak_settings(tmp_path):
+    """A --split-sentences run followed by a plain run in the same process: the second writes documents."""
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": "First sentence. Second sentence."}, {"text": "Third one."}])
+    P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "s", split_sentences=True))
+    for workers in (1, 2):
+        P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / f"d{workers}", workers=workers))
+        ds = IndexedDataset(str(tmp_path / f"d{workers}_text_document"))
+        assert len(ds) == 2 and ds.document_indices.tolist() == [0, 1, 2]

@@ -7,17 +7,18 @@ import os
 import pytest
 
 from megatron.core.tokenizer import build_tokenizer
-from tests.conftest import SHARED_DATA
+from tests.conftest import ROOT
 from tests.unit.data.reference_bpe import ReferenceGPT2BPE
+from tests.unit.data.shared_files import shared_file
 
-GPT2_VOCAB = os.path.join(SHARED_DATA, "gpt2", "vocab.json")
-GPT2_MERGES = os.path.join(SHARED_DATA, "gpt2", "merges.txt")
-BERT_VOCAB = os.path.join(SHARED_DATA, "bert", "vocab.txt")
+# the bundled GPT-2 files (byte-identical to ../shared/data/gpt2/, see data/README.md)
+GPT2_VOCAB = os.path.join(ROOT, "data", "gpt2-vocab.json")
+GPT2_MERGES = os.path.join(ROOT, "data", "gpt2-merges.txt")
 
 
 def _real_texts(n=60):
     texts = []
-    with gzip.open(os.path.join(SHARED_DATA, "corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f:
+    with gzip.open(shared_file("corpus", "prose.jsonl.gz"), "rt", encoding="utf-8") as f:
         for i, line in enumerate(f):
             if i % 250 == 0:
                 texts.append(json.loads(line)["text"][:3000])
@@ -49,14 +50,15 @@ def test_gpt2_matches_reference_bpe_on_real_text():
 
 
 def test_bert_wordpiece():
-    low = build_tokenizer("BertWordPieceLowerCase", vocab_file=BERT_VOCAB)
+    vocab = shared_file("bert", "vocab.txt")
+    low = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
     assert low.vocab_size == 30524  # 30,522 + [BOS] + [EOS], as Megatron-LM
     assert low.eod == 30523
     ids = low.tokenize("Hello World, Café unaffable!")
     # bert-base-uncased: hello=7592 world=2088 ,=1010 cafe=7668 un ##aff ##able !
     assert ids == [7592, 2088, 1010, 7668, 14477, 20961, 3468, 999]
     assert low.detokenize(ids) == "hello world, cafe unaffable!"
-    case = build_tokenizer("BertWordPieceCase", vocab_file=BERT_VOCAB)
+    case = build_tokenizer("BertWordPieceCase", vocab_file=vocab)
     assert case.tokenize("Hello") != low.tokenize("Hello")  # no lower-casing: 'Hello' is split or [UNK]
     assert case.tokenize_batch(["a b", "c"]) == [case.tokenize("a b"), case.tokenize("c")]
 
@@ -264,3 +266,21 @@ def test_bulk_encoder_exact_on_hash_colliding_pieces():
         flat, lens = tok.tokenize_batch_flat(texts)
         assert lens.tolist() == [len(tok.tokenize(t)) for t in texts]
         assert flat.tolist() == [i for t in texts for i in tok.tokenize(t)]
+
+
+def test_bert_wordpiece_equals_reference_on_real_and_edge_text():
+    """Ids equal an independent restatement of Megatron-LM's BERT tokenizer: real prose, long words (Megatron's
+    limit is 200 characters), literal "[EOS]"/"[CLS]" in the text (ordinary text, not special ids), Unicode."""
+    from tests.unit.data.reference_wordpiece import ReferenceWordPiece
+
+    vocab = shared_file("bert", "vocab.txt")
+    edge = ["hello " + "ab" * 60 + " " + "ab" * 101, "x [EOS] y [BOS] [CLS] [SEP] [MASK] [PAD] [UNK]",
+            "İstanbul ǅ ﬁ Ⅻ café NAÏVE", "a\u200bb\u00adc \x00 \ufffd d", "日本語 한국어 ﾊﾝ", "ß ẞ Σ ς", ""]
+    texts = _real_texts(25) + edge
+    for lower in (True, False):
+        ours = build_tokenizer("BertWordPieceLowerCase" if lower else "BertWordPieceCase", vocab_file=vocab)
+        ref = ReferenceWordPiece(vocab, lower_case=lower)
+        assert ours.vocab_size == len(ref.vocab) == 30524
+        for text in texts:
+            assert ours.tokenize(text) == ref.tokenize(text), text[:80]
+        assert ours.tokenize_batch(texts) == [ref.tokenize(t) for t in texts]

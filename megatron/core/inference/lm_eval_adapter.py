@@ -1,0 +1,125 @@
+"""lm-evaluation-harness backend for this framework's checkpoints (``pip install lm_eval``; optional).
+
+    python -m megatron.core.inference.lm_eval_adapter --model_args load=CKPT --tasks lambada_local \\
+        --include_path my_tasks/ --batch_size 8
+
+is ``lm_eval`` with the model ``megatron_lite`` registered (any other ``lm_eval`` flag works as usual). In Python,
+importing this module registers the model: ``lm_eval.simple_evaluate(model="megatron_lite",
+model_args="load=CKPT", ...)`` or pass a ``MegatronLiteLM`` instance. Model arguments: ``load`` (required),
+``iteration``, ``batch_size``, ``device``, ``dtype`` (fp32, bf16, fp16), ``max_length`` (default: the model's
+positions), ``vocab_file``, ``merge_file``, ``tokenizer_type``, ``tokenizer_model``.
+
+Requests: ``loglikelihood`` (context, continuation) -> (sum of the continuation's log-probs, whether greedy
+decoding reproduces it), ``loglikelihood_rolling`` (the whole text's log-likelihood in disjoint windows of
+``max_length`` after an end-of-document token) and ``generate_until`` (greedy unless ``do_sample``, stopping at
+the ``until`` strings, at most ``max_gen_toks`` tokens). One process, any checkpoint layout (loaded at TP=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Tuple
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from megatron.core.inference.checkpoint import load_gpt_for_inference
+from megatron.core.inference.engine import InferenceEngine
+from megatron.core.inference.launch import DTYPES, build_tokenizer_from
+from megatron.core.inference.sampling import SamplingParams
+
+
+@register_model("megatron_lite")
+class MegatronLiteLM(LM):
+    def __init__(self, load: str, iteration=None, batch_size=8, device=None, dtype=None, max_length=None,
+                 vocab_file=None, merge_file=None, tokenizer_type=None, tokenizer_model=None, **unused):
+        super().__init__()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        loaded = load_gpt_for_inference(load, iteration=None if iteration is None else int(iteration),
+                                        dtype=DTYPES[dtype] if dtype else torch.float32,
+                                        device=torch.device(device))
+        flags = argparse.Namespace(vocab_file=vocab_file, merge_file=merge_file, tokenizer_type=tokenizer_type,
+                                   tokenizer_model=tokenizer_model)
+        self.tokenizer = build_tokenizer_from(flags, loaded.args)
+        self.engine = InferenceEngine(loaded.model, tokenizer=self.tokenizer)
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.max_length = int(max_length) if max_length else self.engine.max_length
+        if not 2 <= self.max_length <= self.engine.max_length:
+            raise ValueError(f"max_length must be in [2, {self.engine.max_length}], got {self.max_length}")
+
+    # ---- scoring -----------------------------------------------------------------------------------------
+    def _score(self, pairs: List[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:
+        """``(context ids, target ids)`` -> (sum of the targets' log-probs, every target the argmax)."""
+        results = []
+        for start in range(0, len(pairs), self.batch_size):
+            chunk = pairs[start:start + self.batch_size]
+            seqs = [(ctx + tgt)[-(self.max_length + 1):] for ctx, tgt in chunk]
+            width = max(len(s) for s in seqs) - 1
+            inputs = torch.full((len(seqs), width), self.tokenizer.eod, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                inputs[i, :len(s) - 1] = torch.tensor(s[:-1])
+            logp = self.engine.forward_logits(inputs).log_softmax(-1).cpu()  # [b, width, V]
+            for i, ((_, tgt), s) in enumerate(zip(chunk, seqs)):
+                n = min(len(tgt), len(s) - 1)
+                rows = logp[i, len(s) - 1 - n:len(s) - 1]  # [n, V]
+                target = torch.tensor(s[-n:])
+                results.append((float(rows.gather(-1, target.unsqueeze(-1)).sum()),
+                                bool((rows.argmax(-1) == target).all())))
+        return results
+
+    def _encode_pair(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:  # a trailing space belongs to the continuation's first token in BPE
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        ctx = self.tokenizer.tokenize(context) if context else [self.tokenizer.eod]
+        return ctx, self.tokenizer.tokenize(continuation)
+
+    def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
+        return self._score([self._encode_pair(*req.args) for req in requests])
+
+    def loglikelihood_rolling(self, requests) -> List[float]:
+        out = []
+        for req in requests:
+            ids = [self.tokenizer.eod] + self.tokenizer.tokenize(req.args[0])
+            windows = []
+            for start in range(0, len(ids) - 1, self.max_length):
+                window = ids[start:start + self.max_length + 1]
+                windows.append((window[:1], window[1:]))
+            out.append(sum(lp for lp, _ in self._score(windows)))
+        return out
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def generate_until(self, requests) -> List[str]:
+        out = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", 256))
+            sample = bool(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 1.0 if sample else 0.0))
+            ids = self.tokenizer.tokenize(context) or [self.tokenizer.eod]
+            max_new = max(0, min(max_new, self.max_length - 1))
+            ids = ids[-(self.max_length - max_new):]
+            params = SamplingParams(max_new_tokens=max_new, greedy=not sample or temperature == 0.0,
+                                    temperature=temperature, top_p=float(kwargs.pop("top_p", 0.0) or 0.0),
+                                    top_k=int(kwargs.pop("top_k", 0) or 0), seed=kwargs.pop("seed", 1234),
+                                    stop_strings=tuple(s for s in until if s))
+            out.append(self.engine.generate([ids], params)[0].text)
+        return out
+
+
+def main(argv=None) -> int:
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", "--model", "megatron_lite", *(sys.argv[1:] if argv is None else argv)]
+    cli_evaluate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

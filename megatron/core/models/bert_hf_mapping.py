@@ -1,0 +1,138 @@
+"""Parameter mapping between Hugging Face BERT checkpoints and our (Megatron-Core-named) BERT.
+
+Two Hugging Face layouts map onto one model:
+- ``MegatronBertForPreTraining`` (pre-LN): ``attention.ln`` / ``ln`` are each layer's ``input_layernorm`` /
+  ``pre_mlp_layernorm`` and ``bert.encoder.ln`` is ``encoder.final_layernorm``; the model runs with
+  ``apply_residual_connection_post_layernorm=False``.
+- ``BertForPreTraining`` (post-LN): the embedding LayerNorm is layer 0's ``input_layernorm``, layer i's
+  ``attention.output.LayerNorm`` its ``pre_mlp_layernorm``, and layer i's ``output.LayerNorm`` is layer i+1's
+  ``input_layernorm`` (the last one is ``encoder.final_layernorm``); the model runs with
+  ``apply_residual_connection_post_layernorm=True``.
+
+Both convert to full (unsharded) state dicts; Hugging Face's separate query/key/value become the fused
+``linear_qkv`` with per-head ``[q k v]`` rows, and the vocabulary is zero-padded to ``padded_vocab_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+_EMB = "bert.embeddings."
+_PRED = "cls.predictions."
+
+
+def is_post_ln_checkpoint(hf_state: Dict[str, torch.Tensor]) -> bool:
+    """True for a ``BertForPreTraining`` state dict (embedding LayerNorm), False for ``MegatronBertForPreTraining``."""
+    if _EMB + "LayerNorm.weight" in hf_state:
+        return True
+    if "bert.encoder.ln.weight" in hf_state:
+        return False
+    raise ValueError("not a Hugging Face BERT pre-training state dict: it has neither bert.embeddings.LayerNorm "
+                     "(BertForPreTraining) nor bert.encoder.ln (MegatronBertForPreTraining)")
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Separate ``[h(, h_in)]`` q/k/v -> fused ``[3h(, h_in)]`` with per-head ``[q k v]`` rows."""
+    d = q.shape[0] // num_heads
+    stacked = torch.stack([t.reshape(num_heads, d, *t.shape[1:]) for t in (q, k, v)], dim=1)  # [n, 3, d(, h_in)]
+    return stacked.reshape(3 * q.shape[0], *q.shape[1:])  # [3h(, h_in)]
+
+
+def _split_qkv(qkv: torch.Tensor, num_heads: int):
+    """Inverse of ``_fuse_qkv``: fused ``[3h(, h_in)]`` -> (q, k, v) each ``[h(, h_in)]``."""
+    h = qkv.shape[0] // 3
+    per_head = qkv.reshape(num_heads, 3, h // num_heads, *qkv.shape[1:])  # [n, 3, d(, h_in)]
+    return tuple(per_head[:, j].reshape(h, *qkv.shape[1:]) for j in range(3))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows < t.shape[0]:
+        raise ValueError(f"padded vocabulary {rows} is smaller than the checkpoint's vocabulary {t.shape[0]}")
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _layernorm_pairs(num_layers: int, post_ln: bool):
+    """(ours, Hugging Face's) prefixes of every LayerNorm."""
+    layer = "bert.encoder.layer."
+    if not post_ln:
+        pairs = [(f"encoder.layers.{i}.input_layernorm", f"{layer}{i}.attention.ln") for i in range(num_layers)]
+        pairs += [(f"encoder.layers.{i}.pre_mlp_layernorm", f"{layer}{i}.ln") for i in range(num_layers)]
+        return pairs + [("encoder.final_layernorm", "bert.encoder.ln")]
+    pairs = [("encoder.layers.0.input_layernorm", _EMB + "LayerNorm")]
+    pairs += [(f"encoder.layers.{i}.pre_mlp_layernorm", f"{layer}{i}.attention.output.LayerNorm")
+              for i in range(num_layers)]
+    pairs += [(f"encoder.layers.{i + 1}.input_layernorm", f"{layer}{i}.output.LayerNorm")
+              for i in range(num_layers - 1)]
+    return pairs + [("encoder.final_layernorm", f"{layer}{num_layers - 1}.output.LayerNorm")]
+
+
+def _linear_pairs(num_layers: int):
+    """(ours, Hugging Face's) prefixes of every linear except the fused QKV."""
+    layer = "bert.encoder.layer."
+    pairs = []
+    for i in range(num_layers):
+        ours = f"encoder.layers.{i}."
+        pairs += [(ours + "self_attention.linear_proj", f"{layer}{i}.attention.output.dense"),
+                  (ours + "mlp.linear_fc1", f"{layer}{i}.intermediate.dense"),
+                  (ours + "mlp.linear_fc2", f"{layer}{i}.output.dense")]
+    return pairs + [("lm_head.dense", _PRED + "transform.dense"), ("lm_head.layer_norm", _PRED + "transform.LayerNorm"),
+                    ("pooler.dense", "bert.pooler.dense"), ("binary_head", "cls.seq_relationship")]
+
+
+def hf_to_megatron_bert(hf_state: Dict[str, torch.Tensor], num_layers: int, num_heads: int,
+                        padded_vocab_size: int) -> Dict[str, torch.Tensor]:
+    """A Hugging Face BERT pre-training state dict -> our full state dict (Megatron-Core names).
+
+    The layout (pre- or post-LN) is read from the keys (``is_post_ln_checkpoint``); the model that loads the
+    result must use the matching ``apply_residual_connection_post_layernorm``. The decoder weight is tied to the
+    word embedding, so no ``output_layer.weight`` is produced.
+    """
+    post_ln = is_post_ln_checkpoint(hf_state)
+    out = {
+        "embedding.word_embeddings.weight": _pad_rows(hf_state[_EMB + "word_embeddings.weight"], padded_vocab_size),
+        "embedding.position_embeddings.weight": hf_state[_EMB + "position_embeddings.weight"],
+        "embedding.tokentype_embeddings.weight": hf_state[_EMB + "token_type_embeddings.weight"],
+        "output_layer.bias": _pad_rows(hf_state[_PRED + "bias"], padded_vocab_size),
+    }
+    for ours, theirs in _layernorm_pairs(num_layers, post_ln) + _linear_pairs(num_layers):
+        for leaf in ("weight", "bias"):
+            out[f"{ours}.{leaf}"] = hf_state[f"{theirs}.{leaf}"]
+    for i in range(num_layers):
+        attn = f"bert.encoder.layer.{i}.attention.self."
+        for leaf in ("weight", "bias"):
+            q, k, v = (hf_state[f"{attn}{m}.{leaf}"] for m in ("query", "key", "value"))
+            out[f"encoder.layers.{i}.self_attention.linear_qkv.{leaf}"] = _fuse_qkv(q, k, v, num_heads)
+    return out
+
+
+def megatron_to_hf_bert(state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, vocab_size: int,
+                        post_ln: bool) -> Dict[str, torch.Tensor]:
+    """Our full state dict -> a Hugging Face ``BertForPreTraining`` (``post_ln``) or ``MegatronBertForPreTraining``
+    state dict, the vocabulary cut back to ``vocab_size``. Needs the binary head and the token-type embedding."""
+    for key in ("embedding.tokentype_embeddings.weight", "binary_head.weight"):
+        if key not in state:
+            raise ValueError(f"Hugging Face BERT pre-training models need {key}: build the model with the binary "
+                             "head and 2 token types")
+    word = state["embedding.word_embeddings.weight"][:vocab_size]
+    out = {
+        _EMB + "word_embeddings.weight": word,
+        _EMB + "position_embeddings.weight": state["embedding.position_embeddings.weight"],
+        _EMB + "token_type_embeddings.weight": state["embedding.tokentype_embeddings.weight"],
+        _PRED + "bias": state["output_layer.bias"][:vocab_size],
+        _PRED + "decoder.weight": state.get("output_layer.weight", state["embedding.word_embeddings.weight"])[
+            :vocab_size],
+    }
+    out[_PRED + "decoder.bias"] = out[_PRED + "bias"]
+    for ours, theirs in _layernorm_pairs(num_layers, post_ln) + _linear_pairs(num_layers):
+        for leaf in ("weight", "bias"):
+            out[f"{theirs}.{leaf}"] = state[f"{ours}.{leaf}"]
+    for i in range(num_layers):
+        attn = f"bert.encoder.layer.{i}.attention.self."
+        for leaf in ("weight", "bias"):
+            q, k, v = _split_qkv(state[f"encoder.layers.{i}.self_attention.linear_qkv.{leaf}"], num_heads)
+            out[f"{attn}query.{leaf}"], out[f"{attn}key.{leaf}"], out[f"{attn}value.{leaf}"] = q, k, v
+    return out

@@ -1,0 +1,270 @@
+"""What the planner reasons about: a model shape, a parallel layout, a cluster, and the parameters of a stage.
+
+Every field is named after the Megatron flag it stands for (``num_layers`` = ``--num-layers``, ...), so that a
+parsed flag set maps onto these values one to one. The parameter enumeration (:func:`chunk_param_numels`) lists
+the parameters one pipeline chunk registers, in registration order, as the models of ``megatron/core/models``
+build them: the distributed-data-parallel buffer layout (and so the exact padding of the distributed optimizer)
+follows from that order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
+RECOMPUTE = (None, "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The flags that change memory or time.
+
+    model: ``gpt`` or ``bert`` (BERT adds token-type embeddings, the LM-head transform with its output bias, and
+    with ``bert_binary_head`` the pooler and binary head; ``--bert-no-binary-head`` also drops the token types).
+    num_layers, hidden_size, ffn_hidden_size (default 4h), num_attention_heads, seq_length,
+    max_position_embeddings (default seq_length), vocab_size (the tokenizer's, padded to a multiple of
+    make_vocab_size_divisible_by x TP), untie_embeddings_and_output_weights, position_embedding_type
+    (``learned_absolute`` holds a [max_pos, h] table; ``rope`` none), attention_dropout, hidden_dropout.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    model: str = "gpt"
+    ffn_hidden_size: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    vocab_size: int = 50257
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "learned_absolute"
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    num_tokentypes: int = 2  # BERT only
+    bert_binary_head: bool = True  # BERT only: the pooler and the 2-way sentence-order head
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                     "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.model not in ("gpt", "bert"):
+            raise ValueError(f"--model must be gpt or bert, got {self.model!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                             f"({self.num_attention_heads})")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(f"--position-embedding-type must be learned_absolute or rope, "
+                             f"got {self.position_embedding_type!r}")
+        if self.seq_length > self.max_pos:
+            raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings ({self.max_pos})")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_pos(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron's padding)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return (self.vocab_size + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout and the memory/time switches that go with it (Megatron flag names).
+
+    tp/pp/dp: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, the data-parallel size
+    (world / (tp * pp)); vpp: ``--virtual-pipeline-model-parallel-size``; sp: ``--sequence-parallel``;
+    distributed_optimizer: ``--use-distributed-optimizer``; recompute_*: ``--recompute-granularity``,
+    ``--recompute-method``, ``--recompute-num-layers``, ``--recompute-modules``; micro_batch_size:
+    ``--micro-batch-size``; precision: bf16 (``--bf16``), fp8 (``--bf16 --fp8-format hybrid``), fp16, fp32;
+    first/last_stage_layers: ``--decoder-first/last-pipeline-num-layers``; ddp_bucket_size: ``--ddp-bucket-size``;
+    overlap_grad_reduce / overlap_param_gather: the ``--overlap-*`` flags; cross_entropy_fusion:
+    ``--cross-entropy-loss-fusion``; optimizer: ``--optimizer`` (adam or sgd).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: Optional[int] = None
+    sp: bool = False
+    distributed_optimizer: bool = False
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Tuple[str, ...] = ("core_attn", "mlp_act")
+    micro_batch_size: int = 1
+    precision: str = "bf16"
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    ddp_bucket_size: Optional[int] = None
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    cross_entropy_fusion: bool = True
+    optimizer: str = "adam"
+    attention_backend: str = "sdpa"
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.recompute_granularity not in RECOMPUTE:
+            raise ValueError(f"--recompute-granularity must be selective or full, got {self.recompute_granularity}")
+        if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+        if self.sp and self.tp == 1:
+            object.__setattr__(self, "sp", False)  # sequence parallelism is a no-op without TP
+        if self.vpp == 1:
+            object.__setattr__(self, "vpp", None)
+
+    @property
+    def chunks(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vpp:
+            parts.append(f"VP{self.vpp}")
+        parts.append(f"DP{self.dp}")
+        if self.sp:
+            parts.append("SP")
+        if self.distributed_optimizer:
+            parts.append("distopt")
+        return " ".join(parts)
+
+    def recompute_label(self) -> str:
+        if self.recompute_granularity is None:
+            return "none"
+        if self.recompute_granularity == "selective":
+            label = "sel"
+            if tuple(self.recompute_modules) != ("core_attn", "mlp_act"):
+                label += "(" + "+".join(self.recompute_modules) + ")"
+        else:
+            label = f"full/{self.recompute_method}"
+        if self.recompute_num_layers:
+            label += f"/{self.recompute_num_layers}"
+        return label
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_gpus`` in all, ``gpus_per_node`` per node, ``gpu_memory_gb`` (GB = 1e9 bytes, as vendors quote)."""
+
+    num_gpus: int
+    gpu_memory_gb: float
+    gpus_per_node: int = 8
+    gpu_kind: str = "h200"
+
+    def __post_init__(self):
+        if self.num_gpus < 1:
+            raise ValueError(f"--num-gpus must be >= 1, got {self.num_gpus}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.gpu_memory_gb <= 0:
+            raise ValueError(f"--gpu-memory-gb must be positive, got {self.gpu_memory_gb}")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.gpu_memory_gb * 1e9
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk of a pipeline rank: ``num_layers`` decoder layers, embedding (pre) and/or head (post)."""
+
+    num_layers: int
+    pre: bool
+    post: bool
+
+
+def stage_chunks(shape: ModelShape, layout: Layout, pp_rank: int) -> Tuple[Chunk, ...]:
+    """The chunks pipeline rank ``pp_rank`` builds (``megatron/core/pipeline_parallel/partition.py`` split)."""
+    return _stage_chunks(shape.num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers,
+                         pp_rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_chunks(num_layers: int, pp: int, vpp: Optional[int], first: Optional[int], last: Optional[int],
+                  pp_rank: int) -> Tuple[Chunk, ...]:
+    from megatron.core.pipeline_parallel.partition import layers_for_stage
+
+    chunks = vpp or 1
+    out = []
+    for v in range(chunks):
+        _, count = layers_for_stage(num_layers, pp, pp_rank, vpp_size=vpp, vpp_rank=v, first_stage_layers=first,
+                                    last_stage_layers=last)
+        out.append(Chunk(count, pre=pp_rank == 0 and v == 0, post=pp_rank == pp - 1 and v == chunks - 1))
+    return tuple(out)
+
+
+def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk) -> List[int]:
+    """Element counts of the trainable parameters of one chunk on one TP rank, in registration order."""
+    h, f, t = shape.hidden_size, shape.ffn, tp
+    v = shape.padded_vocab(tp)
+    out: List[int] = []
+    if chunk.pre:
+        out.append(v // t * h)  # word embeddings (vocab-parallel)
+        if shape.position_embedding_type == "learned_absolute":
+            out.append(shape.max_pos * h)
+        if shape.model == "bert" and shape.num_tokentypes:
+            out.append(shape.num_tokentypes * h)
+    layer = [h, h,  # input LayerNorm
+             3 * h // t * h, 3 * h // t,  # linear_qkv (column-parallel)
+             h * (h // t), h,  # linear_proj (row-parallel; full bias)
+             h, h,  # pre-MLP LayerNorm
+             f // t * h, f // t,  # linear_fc1
+             h * (f // t), h]  # linear_fc2
+    out.extend(layer * chunk.num_layers)
+    if chunk.post:
+        out.extend([h, h])  # final LayerNorm
+        if shape.model == "bert":
+            out.extend([h * h, h, h, h, v // t])  # LM-head dense, its LayerNorm, output bias (vocab-parallel)
+        if not (chunk.pre and shape.tied):
+            out.append(v // t * h)  # output layer (its own copy of the tied embedding on a later stage)
+        if shape.model == "bert" and shape.bert_binary_head:
+            out.extend([h * h, h, 2 * h, 2])  # pooler dense, binary head
+    return out
+
+
+def check_layout(shape: ModelShape, layout: Layout, global_batch_size: int) -> None:
+    """Raise ``ValueError`` naming the flag when the layout cannot run this shape and batch."""
+    if shape.num_attention_heads % layout.tp:
+        raise ValueError(f"--num-attention-heads ({shape.num_attention_heads}) is not divisible by "
+                         f"--tensor-model-parallel-size ({layout.tp})")
+    if shape.ffn % layout.tp:
+        raise ValueError(f"--ffn-hidden-size ({shape.ffn}) is not divisible by --tensor-model-parallel-size ({layout.tp})")
+    if layout.sp and shape.seq_length % layout.tp:
+        raise ValueError(f"--seq-length ({shape.seq_length}) is not divisible by --tensor-model-parallel-size "
+                         f"({layout.tp}) under --sequence-parallel")
+    for r in range(layout.pp):
+        stage_chunks(shape, layout, r)  # raises on a bad layer split
+    if layout.vpp and layout.pp == 1:
+        raise ValueError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1")
+    per_step = layout.micro_batch_size * layout.dp
+    if global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size ({global_batch_size}) is not divisible by --micro-batch-size x DP "
+                         f"({layout.micro_batch_size} x {layout.dp})")
+    m = global_batch_size // per_step
+    if layout.vpp and m % layout.pp:
+        raise ValueError(f"interleaving needs the number of microbatches ({m}) to be a multiple of "
+                         f"--pipeline-model-parallel-size ({layout.pp})")

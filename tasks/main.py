@@ -1,0 +1,122 @@
+"""Zero-shot evaluation of a trained GPT checkpoint.
+
+    python tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens --load CKPT --overlapping-eval 32
+    python tasks/main.py --task LAMBADA --valid-data lambada_test.jsonl --load CKPT --strict-lambada
+    torchrun --nproc_per_node 2 tasks/main.py --task LAMBADA ...                      # tensor parallel
+    torchrun --nproc_per_node 2 tasks/main.py --pipeline-model-parallel-size 2 ...    # pipeline parallel
+
+WIKITEXT103: the raw text is detokenized, BPE-encoded and scored in windows of ``--seq-length`` tokens
+starting every ``--overlapping-eval`` tokens (default: no overlap; after the first window only the last
+``--overlapping-eval`` targets of a window count). Prints the average loss per token, its perplexity, the
+word-level (adjusted) perplexity ``exp(loss x (tokens - 1) / (words - 1))`` and that token ratio.
+LAMBADA: one ``{"text": ...}`` passage per line; a passage is right when the model's argmax reproduces its last
+token, or with ``--strict-lambada`` every token of its whole last word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron.core.inference.launch import add_model_arguments, build_engine, is_output_rank  # noqa: E402
+from tasks.zeroshot_gpt.datasets import build_lambada, build_wikitext  # noqa: E402
+from tasks.zeroshot_gpt.evaluate import score_samples  # noqa: E402
+
+TASKS = ("WIKITEXT103", "LAMBADA")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Zero-shot WikiText-103 perplexity and LAMBADA accuracy",
+                                allow_abbrev=False)
+    add_model_arguments(p)
+    g = p.add_argument_group("task")
+    g.add_argument("--task", required=True, choices=TASKS)
+    g.add_argument("--valid-data", nargs="+", required=True, help="the evaluation file")
+    g.add_argument("--seq-length", type=int, default=None, help="window length (default: the checkpoint's)")
+    g.add_argument("--overlapping-eval", type=int, default=None,
+                   help="WikiText window stride; only the last this many targets of later windows count")
+    g.add_argument("--strict-lambada", action="store_true", help="require every token of the whole last word")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="must equal the number of processes / --pipeline-model-parallel-size (checked); the "
+                        "checkpoint may use any")
+    g.add_argument("--log-interval", type=int, default=0, help="report progress every N batches (0: never)")
+    g.add_argument("--results-file", default=None, help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if len(args.valid_data) != 1:
+        p.error(f"--valid-data takes one file, got {len(args.valid_data)}")
+    args.valid_data = args.valid_data[0]
+    if not os.path.isfile(args.valid_data):
+        p.error(f"--valid-data {args.valid_data}: no such file")
+    for name in ("micro_batch_size", "seq_length", "overlapping_eval"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.overlapping_eval is not None and args.task != "WIKITEXT103":
+        p.error("--overlapping-eval applies to --task WIKITEXT103")
+    if args.strict_lambada and args.task != "LAMBADA":
+        p.error("--strict-lambada applies to --task LAMBADA")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = world // args.pipeline_model_parallel_size
+    if args.tensor_model_parallel_size is not None and args.tensor_model_parallel_size != tp:
+        p.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} must equal the number of "
+                f"processes ({world}) / --pipeline-model-parallel-size ({args.pipeline_model_parallel_size})")
+    return args
+
+
+def run(args) -> dict:
+    engine, _, _ = build_engine(args)
+    seq = args.seq_length or engine.model.config.seq_length
+    if seq > engine.max_length:
+        raise ValueError(f"--seq-length {seq} exceeds the model's {engine.max_length} positions")
+    tok = engine.tokenizer
+    log = print if is_output_rank() else None
+    if args.task == "WIKITEXT103":
+        stride = args.overlapping_eval or seq
+        data = build_wikitext(args.valid_data, tok, seq, stride)
+        total = score_samples(engine, data.samples, args.micro_batch_size, "loss", log, args.log_interval)
+        loss = total / (data.num_tokenized_tokens - 1)
+        ratio = (data.num_tokenized_tokens - 1) / max(data.num_original_tokens - 1, 1)
+        result = {"task": args.task, "avg loss": loss, "ppl": math.exp(min(20.0, loss)),
+                  "adjusted ppl": math.exp(min(20.0, loss * ratio)), "token ratio": ratio,
+                  "tokens": data.num_tokenized_tokens, "words": data.num_original_tokens,
+                  "windows": len(data.samples), "seq length": seq, "overlapping eval": stride}
+        line = (f"validation results on {args.task} | avg loss: {loss:.4E} | ppl: {result['ppl']:.4E} | "
+                f"adjusted ppl: {result['adjusted ppl']:.4E} | token ratio: {ratio} |")
+    else:
+        samples = build_lambada(args.valid_data, tok, seq, args.strict_lambada)
+        correct = score_samples(engine, samples, args.micro_batch_size, "accuracy", log, args.log_interval)
+        result = {"task": args.task, "number correct": int(correct), "total examples": len(samples),
+                  "avg accuracy": correct / len(samples), "strict": args.strict_lambada, "seq length": seq}
+        line = (f"validation results on {args.task} | number correct: {correct:.4E} | total examples: "
+                f"{len(samples):.4E} | avg accuracy: {result['avg accuracy']:.4E} |")
+    if is_output_rank():
+        print(line, flush=True)
+        if args.results_file:
+            with open(args.results_file, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

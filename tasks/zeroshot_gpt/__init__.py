@@ -1,0 +1,1 @@
+"""Zero-shot evaluation of a GPT: WikiText-103 perplexity and LAMBADA last-word accuracy."""

@@ -1,0 +1,88 @@
+"""Evaluation samples: WikiText windows and LAMBADA passages, each ``seq_length + 1`` tokens and a target mask.
+
+A sample is ``(tokens, mask)``: ``tokens`` has ``seq_length + 1`` ids (inputs are ``tokens[:-1]``, targets
+``tokens[1:]``), ``mask`` has ``seq_length`` entries, 1 where a target counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from tasks.zeroshot_gpt.detokenizer import wikitext_detokenize
+
+Sample = Tuple[List[int], List[int]]
+
+
+@dataclass
+class WikiTextData:
+    samples: List[Sample]
+    num_original_tokens: int  # whitespace-separated words of the raw file
+    num_tokenized_tokens: int  # BPE tokens of the detokenized text
+
+
+def lm_windows(tokens: List[int], seq_length: int, pad: int, overlapping_eval: int) -> List[Sample]:
+    """Windows of ``seq_length`` targets starting every ``overlapping_eval`` tokens; after the first window only
+    the last ``overlapping_eval`` targets count, so every target is scored once, with the longest context the
+    stride allows."""
+    stride = max(1, min(overlapping_eval, seq_length))
+    total_targets = len(tokens) - 1
+    count = max(math.ceil(max(total_targets - stride, 0) / stride) + 1, 1)
+    samples = []
+    for i in range(count):
+        window = tokens[i * stride:i * stride + seq_length + 1]
+        mask = [1] * (len(window) - 1) + [0] * (seq_length + 1 - len(window))
+        window = window + [pad] * (seq_length + 1 - len(window))
+        if i > 0 and stride != seq_length:
+            mask = [0] * (seq_length - stride) + mask[seq_length - stride:]
+        samples.append((window, mask))
+    return samples
+
+
+def build_wikitext(path: str, tokenizer, seq_length: int, overlapping_eval: int) -> WikiTextData:
+    with open(path, "rb") as f:
+        raw = f.read().decode("utf-8")
+    num_original = len(raw.strip().split(" "))
+    tokens = tokenizer.tokenize(wikitext_detokenize(raw))
+    if len(tokens) < 2:
+        raise ValueError(f"--valid-data {path}: fewer than two tokens to score")
+    return WikiTextData(lm_windows(tokens, seq_length, tokenizer.eod, overlapping_eval), num_original, len(tokens))
+
+
+def lambada_split(text: str, tokenizer, strict: bool) -> Tuple[List[int], List[int]]:
+    """``(context tokens, last-word tokens)``. Non-strict: the last BPE token is the target; strict: every token
+    of the whole last whitespace-separated word (encoded with its leading space)."""
+    if not strict:
+        ids = tokenizer.tokenize(text)
+        return ids[:-1], ids[-1:]
+    word = text.split()[-1]
+    start = text.rfind(word)
+    return tokenizer.tokenize(text[:start].strip()), tokenizer.tokenize(" " + word)
+
+
+def build_lambada(path: str, tokenizer, seq_length: int, strict: bool) -> List[Sample]:
+    samples = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--valid-data {path} line {n}: expected a JSON object with a 'text' string") from None
+            if not isinstance(text, str) or not text.split():
+                raise ValueError(f"--valid-data {path} line {n}: 'text' must be a non-empty string")
+            context, target = lambada_split(text, tokenizer, strict)
+            tokens = context + target
+            if len(tokens) < 2 or not target:
+                raise ValueError(f"--valid-data {path} line {n}: too short to score")
+            tokens = tokens[-(seq_length + 1):]  # keep the end (the target) of an over-long passage
+            n_target = min(len(target), len(tokens) - 1)
+            mask = [0] * (len(tokens) - 1 - n_target) + [1] * n_target
+            pad = seq_length + 1 - len(tokens)
+            samples.append((tokens + [tokenizer.eod] * pad, mask + [0] * pad))
+    if not samples:
+        raise ValueError(f"--valid-data {path}: no passages")
+    return samples

@@ -1,0 +1,138 @@
+"""End-to-end faults through pretrain_gpt.py: damaged checkpoints, a second run, a read-only --save, stale
+temporary files, token ids beyond the vocabulary, sentence-level data.
+
+Each test needs its building block connected to the training code (docs/reliability.md, "Wiring") and skips,
+naming what is missing, until it is.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tests.functional.harness import ROOT, gpt_args, parse_iterations, run_pretrain
+
+
+def _source(*paths):
+    return "".join(open(os.path.join(ROOT, p)).read() for p in paths if os.path.exists(os.path.join(ROOT, p)))
+
+
+TRAINING = ("megatron/training/checkpointing.py", "megatron/training/training.py")
+needs_manifest = pytest.mark.skipif("checkpoint_io" not in _source(*TRAINING),
+                                    reason="checkpoint manifests are not wired into the checkpoint save/load")
+needs_lock = pytest.mark.skipif("acquire_for_job" not in _source(*TRAINING),
+                                reason="the run lock is not taken at training start-up")
+needs_probe = pytest.mark.skipif("check_save_dir_writable" not in _source(*TRAINING),
+                                 reason="the --save write probe is not run at training start-up")
+needs_data_check = pytest.mark.skipif(
+    "check_token_ids" not in _source("pretrain_gpt.py", "megatron/core/datasets/builder.py", *TRAINING),
+    reason="the token-id check is not run when GPT datasets are built")
+FALLBACK_FLAG = "--ckpt-fallback-on-corruption"
+
+
+def _last_line(proc):
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@needs_manifest
+def test_damaged_checkpoint_is_one_line_or_falls_back(data_prefix, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_pretrain(gpt_args(data_prefix, train_iters=4, save_interval=2, save=ckpt))
+    manifest = json.load(open(os.path.join(ckpt, "iter_0000004", "manifest.json")))
+    assert list(manifest["files"]) == ["mp_rank_00/model_optim_rng.pt"]
+    path = os.path.join(ckpt, "iter_0000004", "mp_rank_00", "model_optim_rng.pt")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(os.urandom(4096))
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=6, load=ckpt), expect_ok=False)
+    assert proc.returncode == 2
+    assert _last_line(proc) == (f"error: checkpoint iteration 4: file {path} is corrupt (its sha256 differs from "
+                                "the one recorded when it was saved)")
+    if FALLBACK_FLAG not in _source("megatron/training/arguments.py"):
+        pytest.skip(f"{FALLBACK_FLAG} is not a flag yet")
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=6, load=ckpt, ckpt_fallback_on_corruption=True))
+    assert "falling back to the intact checkpoint of iteration 2" in proc.stdout
+    assert min(parse_iterations(proc.stdout)) == 3
+
+
+@needs_manifest
+def test_stale_temp_file_of_a_dead_saver_is_removed_at_the_next_save(data_prefix, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(gpt_args(data_prefix, train_iters=2, save=str(ckpt)))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = ckpt / "iter_0000002" / "mp_rank_00" / f"model_optim_rng.pt.tmp.{dead.pid}"
+    stale.write_bytes(b"\0" * 100_000)  # what a saver killed in the middle of torch.save leaves
+    run_pretrain(gpt_args(data_prefix, train_iters=4, load=str(ckpt), save=str(ckpt)))
+    assert not stale.exists()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+@needs_lock
+def test_second_run_on_the_same_save_folder_fails_at_start(data_prefix, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from megatron.training.run_lock import RunLock; "
+         "RunLock(sys.argv[1]).acquire(); print('locked', flush=True); sys.stdin.readline()", ckpt],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        proc = run_pretrain(gpt_args(data_prefix, train_iters=2, save=ckpt), expect_ok=False)
+        assert proc.returncode == 2 and parse_iterations(proc.stdout) == {}
+        assert _last_line(proc).startswith(f"error: the --save folder {ckpt} is in use by another run "
+                                           f"(host ")
+        assert f"pid {holder.pid}, since " in _last_line(proc)
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, save=ckpt))  # the killed holder's lock is stale
+    assert f"took over the stale lock {ckpt}/run.lock" in proc.stdout
+    assert not os.path.exists(os.path.join(ckpt, "run.lock"))  # released at exit
+
+
+@needs_probe
+def test_read_only_save_folder_fails_before_training(data_prefix, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("mounting a read-only tmpfs is not permitted here")
+    try:
+        proc = run_pretrain(gpt_args(data_prefix, train_iters=2, save=str(ro)), expect_ok=False)
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+    assert proc.returncode == 2 and parse_iterations(proc.stdout) == {}
+    assert _last_line(proc).startswith(f"error: cannot write to the --save folder {ro}: read-only file system")
+
+
+def _dataset(prefix, docs, sentences=False):
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for doc in docs:
+        if sentences:
+            b.add_document(np.concatenate(doc), [len(s) for s in doc])
+        else:
+            b.add_item(np.concatenate(doc))
+            b.end_document()
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
+@needs_data_check
+def test_token_ids_beyond_the_vocabulary_and_sentence_data(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [[rng.integers(0, 50000, size=200)] for _ in range(200)]
+    docs[50][0][7] = 60000  # GPT-2's vocabulary padded to 50,688 rows
+    bad = _dataset(str(tmp_path / "bad_text_document"), docs)
+    proc = run_pretrain(gpt_args(bad, train_iters=2), expect_ok=False)
+    assert proc.returncode == 2 and parse_iterations(proc.stdout) == {}
+    assert _last_line(proc).startswith(f"error: {bad}.bin: token id 60000 (largest in the file, first in "
+                                       "sequence 50) is not below the model's vocabulary size")
+    docs[50][0][7] = 5
+    sentences = [[d[0][:100], d[0][100:]] for d in docs]
+    prefix = _dataset(str(tmp_path / "corpus_text_sentence"), sentences, sentences=True)
+    proc = run_pretrain(gpt_args(prefix, train_iters=2))
+    assert "is sentence-level data: 400 sequences in 200 documents" in proc.stdout + proc.stderr

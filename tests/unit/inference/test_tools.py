@@ -1,0 +1,108 @@
+"""The command-line tools end to end: generate.py, the server script and the interactive client."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.core.inference import InferenceEngine, SamplingParams, load_gpt_for_inference
+from megatron.core.tokenizer import build_tokenizer
+from tests.unit.inference.tiny import MERGES, ROOT, VOCAB, tiny_args, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    write_checkpoint(path, tiny_args(padded_vocab_size=50304))
+    return path
+
+
+def _engine(ckpt):
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+    return InferenceEngine(load_gpt_for_inference(ckpt).model, tokenizer=tok)
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+
+def test_generate_tool_matches_engine(ckpt, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The tower\nA keeper wrote\n")
+    cmd = [sys.executable, os.path.join(ROOT, "tools/generate.py"), "--load", ckpt, "--prompt-file", str(prompts),
+           "--max-new-tokens", "6", "--top-k", "4", "--seed", "9", "--ignore-eod", "--json", "--logprobs"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    want = _engine(ckpt).generate_text(["The tower", "A keeper wrote"],
+                                       SamplingParams(max_new_tokens=6, top_k=4, seed=9, stop_on_eod=False,
+                                                      logprobs=True))
+    assert [r["text"] for r in records] == [o.text for o in want]
+    assert [r["tokens"] for r in records] == [o.generated for o in want]
+    assert [r["logprobs"] for r in records] == [o.logprobs for o in want]
+    # prompts on stdin, plain text out
+    proc = subprocess.run(cmd[:3] + [ckpt, "--greedy", "--max-new-tokens", "4"], input="The tower\n",
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    greedy = _engine(ckpt).generate_text(["The tower"], SamplingParams(max_new_tokens=4, greedy=True))[0]
+    assert proc.returncode == 0 and proc.stdout == "The tower" + greedy.text + "\n"
+
+
+def test_generate_tool_errors(ckpt, tmp_path):
+    base = [sys.executable, os.path.join(ROOT, "tools/generate.py")]
+    proc = subprocess.run(base + ["--load", str(tmp_path / "none"), "--prompt", "x"], capture_output=True,
+                          text=True, env=_env(), timeout=300)
+    assert proc.returncode == 2 and "no such directory" in proc.stderr
+    proc = subprocess.run(base + ["--load", ckpt, "--prompt", "x", "--top-p", "2"], capture_output=True, text=True,
+                          env=_env(), timeout=300)
+    assert proc.returncode == 2 and "--top-p must be in [0, 1]" in proc.stderr
+
+
+def test_server_script_and_client(ckpt):
+    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools/run_text_generation_server.py"),
+                               "--load", ckpt, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=_env())
+    try:
+        line = server.stdout.readline()
+        assert "serving" in line and "http://127.0.0.1:" in line, line + server.stderr.read()
+        address = line.strip().rsplit("http://", 1)[1]
+        client = subprocess.run([sys.executable, os.path.join(ROOT, "tools/text_generation_cli.py"), address,
+                                 "--greedy", "--tokens-to-generate", "5"], input="The tower\n\n",
+                                capture_output=True, text=True, env=_env(), timeout=300)
+        greedy = _engine(ckpt).generate_text(["The tower"], SamplingParams(max_new_tokens=5, greedy=True))[0]
+        assert client.returncode == 0, client.stderr
+        assert client.stdout == "The tower" + greedy.text + "\n"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def test_tensor_parallel_server(ckpt):
+    """Two ranks under torchrun: rank 0 serves, rank 1 follows; answers equal the single-process engine's."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(master_port),
+                               os.path.join(ROOT, "tools/run_text_generation_server.py"), "--load", ckpt,
+                               "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        line = server.stdout.readline()
+        assert "TP 2 x PP 1" in line, line + server.stderr.read()
+        address = line.strip().rsplit("http://", 1)[1]
+        body = {"prompts": ["The tower", "A keeper"], "tokens_to_generate": 5, "top_k": 8, "random_seed": 4,
+                "logprobs": True}
+        req = urllib.request.Request(f"http://{address}/api", data=json.dumps(body).encode(), method="PUT")
+        answer = json.loads(urllib.request.urlopen(req, timeout=300).read())
+        want = _engine(ckpt).generate_text(body["prompts"], SamplingParams(max_new_tokens=5, top_k=8, seed=4,
+                                                                           logprobs=True))
+        assert answer["text"] == [p + o.text for p, o in zip(body["prompts"], want)]
+        for got, out in zip(answer["logprobs"], want):
+            assert max(abs(a - b) for a, b in zip(got, out.logprobs)) < 1e-5
+    finally:
+        server.terminate()  # torchrun passes SIGTERM to both ranks (and itself exits non-zero, as it does)
+        server.wait(timeout=120)

@@ -1,0 +1,177 @@
+"""pretrain_bert.py through the real training loop on a small in-memory masked-LM dataset.
+
+The dataset is generated here: each sample is ``[CLS] A [SEP] B [SEP]`` padded to the sequence length, segment A
+(two thirds of the tokens) drawn from one half of a tiny WordPiece vocabulary and B (one third) from the other,
+swapped (``is_random`` 1) half of the time, with 15% of the tokens masked. The MLM loss (the segments' unigram
+statistics) and the sentence-order loss (segment lengths and ranges) are both learnable, so training must lower
+them; and the loss and grad norm of every iteration must be the same with one process, TP2 with sequence
+parallelism, PP2 and DP2 with the distributed optimizer.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tests.dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import pretrain_bert  # noqa: E402
+
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = 59  # 5 special + 59 words = 64 entries, + [BOS] [EOS] appended by the tokenizer
+SEQ = 16
+
+
+def _zipf(n: int) -> np.ndarray:
+    p = 1.0 / np.arange(1, n + 1)
+    return p / p.sum()
+
+
+class MaskedPairs:
+    """Deterministic masked-LM samples with Megatron's field names (sample ``i`` depends on ``seed`` and ``i``)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rng = np.random.RandomState((self.seed * 7919 + int(i)) % 2**31)
+        pad, cls, sep, mask = 0, 2, 3, 4
+        length = rng.randint(9, SEQ + 1)
+        n_b = (length - 3) // 3  # the second segment is the shorter one, so the order shows in the segment lengths
+        n_a = length - 3 - n_b
+        half = WORDS // 2
+        a = 5 + rng.choice(half, n_a, p=_zipf(half))
+        b = 5 + half + rng.choice(WORDS - half, n_b, p=_zipf(WORDS - half))
+        is_random = int(rng.rand() < 0.5)
+        if is_random:
+            a, b = b, a
+        text = np.full(SEQ, pad, dtype=np.int64)
+        text[:length] = np.concatenate([[cls], a, [sep], b, [sep]])
+        types = np.zeros(SEQ, dtype=np.int64)
+        types[len(a) + 2: length] = 1
+        padding_mask = (np.arange(SEQ) < length).astype(np.int64)
+        candidates = np.array([p for p in range(length) if text[p] not in (cls, sep)])
+        picked = rng.choice(candidates, max(1, int(round(0.15 * len(candidates)))), replace=False)
+        labels = np.full(SEQ, -1, dtype=np.int64)
+        labels[picked] = text[picked]
+        loss_mask = (labels >= 0).astype(np.int64)
+        text[picked] = mask
+        return {"text": text, "types": types, "labels": labels, "is_random": is_random, "loss_mask": loss_mask,
+                "padding_mask": padding_mask, "truncated": 0}
+
+
+def in_memory_datasets(args, bert_args, pstate, num_samples):
+    return tuple(MaskedPairs(max(n, 1), args.seed + k) for k, n in enumerate(num_samples))
+
+
+def _argv(vocab: str, iters: int, **overrides):
+    opts = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": SEQ,
+            "max-position-embeddings": SEQ, "micro-batch-size": 2, "global-batch-size": 8, "train-iters": iters,
+            "lr": 3e-3, "min-lr": 3e-4, "lr-decay-style": "cosine", "lr-warmup-iters": 2, "weight-decay": 0.01,
+            "clip-grad": 1.0, "attention-dropout": 0.0, "hidden-dropout": 0.0, "seed": 1234, "log-interval": 1,
+            "eval-iters": 0, "tokenizer-type": "BertWordPieceLowerCase", "vocab-file": vocab,
+            "data-path": "in-memory", "split": "100,0,0", "num-workers": 0, "attention-backend": "unfused"}
+    opts.update(overrides)
+    tp = int(opts.get("tensor-model-parallel-size", 1))
+    opts["make-vocab-size-divisible-by"] = 128 // tp  # the same padded vocabulary (128) at every TP size
+    argv = []
+    for key, value in opts.items():
+        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert_vocab") / "vocab.txt"
+    path.write_text("\n".join(SPECIAL + [f"w{i}" for i in range(WORDS)]) + "\n")
+    return str(path)
+
+
+def _history(summary):
+    return [{k: v for k, v in row.items() if k != "iteration"} for row in summary["history"]]
+
+
+def test_tiny_bert_learns_both_objectives(vocab, capsys):
+    summary = pretrain_bert.main(_argv(vocab, 60, **{"hidden-size": 64}), datasets=in_memory_datasets)
+    out = capsys.readouterr().out
+    assert "| lm loss: " in out and "| sop loss: " in out
+    hist = _history(summary)
+    assert len(hist) == 60
+    first = np.mean([h["lm loss"] for h in hist[:5]])
+    last = np.mean([h["lm loss"] for h in hist[-10:]])
+    assert last < 0.8 * first, (first, last)
+    sop_last = np.mean([h["sop loss"] for h in hist[-10:]])
+    assert sop_last < 0.3, sop_last  # chance is ln 2 = 0.69
+
+
+def test_without_binary_head_only_the_lm_loss_is_reported(vocab):
+    summary = pretrain_bert.main(_argv(vocab, 3, **{"bert-no-binary-head": True}), datasets=in_memory_datasets)
+    assert all(set(h) == {"lm loss", "grad_norm"} for h in _history(summary))
+
+
+def test_bad_input_is_one_clear_line(vocab, tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer-type must be one of BertWordPieceLowerCase, BertWordPieceCase"):
+        pretrain_bert.main(_argv(vocab, 3, **{"tokenizer-type": "GPT2BPETokenizer"}), datasets=in_memory_datasets)
+    with pytest.raises(ValueError, match="--mask-prob must be in"):
+        pretrain_bert.parse_bert_args(["--mask-prob", "1.5"])
+    bad_vocab = tmp_path / "vocab.txt"
+    bad_vocab.write_text("[PAD]\n[UNK]\n[SEP]\nhello\n")
+    with pytest.raises(ValueError, match=r"lacks the BERT special token \[CLS\]"):
+        pretrain_bert.main(_argv(str(bad_vocab), 3), datasets=in_memory_datasets)
+
+
+LAYOUTS = {
+    "tp2_sp": {"tensor-model-parallel-size": 2, "sequence-parallel": True},
+    "pp2": {"pipeline-model-parallel-size": 2},
+    "dp2_distopt": {"use-distributed-optimizer": True},
+}
+
+
+def _layouts(rank, world, vocab, out_dir):
+    for name, extra in LAYOUTS.items():
+        summary = pretrain_bert.main(_argv(vocab, 6, **extra), datasets=in_memory_datasets)
+        if summary.get("history"):  # ranks of the last pipeline stage
+            with open(os.path.join(out_dir, f"{name}_rank{rank}.json"), "w") as f:
+                json.dump(_history(summary), f)
+
+
+def test_losses_and_grad_norms_match_across_layouts(vocab, tmp_path):
+    reference = _history(pretrain_bert.main(_argv(vocab, 6), datasets=in_memory_datasets))
+    run_distributed(_layouts, 2, (vocab, str(tmp_path)))
+    for name in LAYOUTS:
+        files = sorted(p for p in os.listdir(tmp_path) if p.startswith(name))
+        assert files, name
+        for fname in files:
+            with open(tmp_path / fname) as f:
+                hist = json.load(f)
+            assert len(hist) == len(reference) == 6
+            for it, (got, ref) in enumerate(zip(hist, reference)):
+                for key in ("lm loss", "sop loss", "grad_norm"):
+                    assert got[key] == pytest.approx(ref[key], rel=1e-5), (name, it + 1, key, got[key], ref[key])
+
+
+@pytest.mark.xfail(strict=True, reason="pretrain() builds the data iterators after restoring the checkpoint's RNG "
+                   "state, and creating a DataLoader iterator draws from the torch CPU generator, so dropout masks "
+                   "shift after a resume (restoring the RNG state around _build_iterators makes this pass)")
+def test_resume_is_bit_exact_with_dropout(vocab, tmp_path):
+    """Three iterations, save, exit; resume for three more: the same losses as six uninterrupted iterations."""
+    drop = {"attention-dropout": 0.1, "hidden-dropout": 0.1}
+    whole = _history(pretrain_bert.main(_argv(vocab, 6, **drop), datasets=in_memory_datasets))
+    ckpt = str(tmp_path / "ckpt")
+    first = pretrain_bert.main(_argv(vocab, 6, **drop, **{"exit-interval": 3, "save": ckpt}),
+                               datasets=in_memory_datasets)
+    assert first["iteration"] == 3
+    second = pretrain_bert.main(_argv(vocab, 6, **drop, **{"load": ckpt, "save": ckpt}), datasets=in_memory_datasets)
+    resumed = _history(second)
+    assert [row["iteration"] for row in second["history"]] == [4, 5, 6]
+    assert _history(first) == whole[:3]
+    assert resumed == whole[3:]

@@ -1,0 +1,49 @@
+"""A checkpoint written by pretrain_gpt.py itself (a few CPU iterations on the bundled corpus, TP=2 so the
+loader re-splits it): generation and both zero-shot tasks equal Hugging Face GPT-2 holding the loaded weights."""
+
+
+import pytest
+import torch
+
+from megatron.core.inference import InferenceEngine, SamplingParams, load_gpt_for_inference
+from megatron.core.inference.hf_gpt2 import to_hf_gpt2
+from megatron.core.tokenizer import build_tokenizer
+from tasks.main import parse_args, run
+from tests.functional.harness import gpt_args, preprocess_quickstart_corpus, run_pretrain
+from tests.unit.zeroshot.test_zeroshot import reference_lambada, reference_wikitext
+from tests.unit.zeroshot.tp_body import LAMBADA, WIKI
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained")
+    prefix = preprocess_quickstart_corpus(str(root))
+    ckpt = str(root / "ckpt")
+    run_pretrain(gpt_args(prefix, tp=2, num_layers=2, train_iters=4, save=ckpt, save_interval=4), nproc=2)
+    return ckpt
+
+
+def test_trained_checkpoint_matches_hf(trained):
+    loaded = load_gpt_for_inference(trained)
+    assert loaded.iteration == 4 and loaded.args["tensor_model_parallel_size"] == 2
+    hf = to_hf_gpt2(loaded.model)
+    tok = build_tokenizer(loaded.args["tokenizer_type"], vocab_file=loaded.args["vocab_file"],
+                          merge_file=loaded.args["merge_file"])
+    assert loaded.args["eod_token"] == tok.eod
+    engine = InferenceEngine(loaded.model, tokenizer=tok)
+    prompt = tok.tokenize("To be, or not")
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=8, greedy=True, stop_on_eod=False))[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.tokens == ref[0].tolist()
+
+    seq = loaded.args["seq_length"]
+    got = run(parse_args(["--load", trained, "--task", "WIKITEXT103", "--valid-data", WIKI,
+                          "--overlapping-eval", "8"]))
+    want = reference_wikitext(hf, tok, WIKI, seq, 8)
+    assert abs(got["avg loss"] - want["avg loss"]) < 1e-4
+    got = run(parse_args(["--load", trained, "--task", "LAMBADA", "--valid-data", LAMBADA, "--strict-lambada"]))
+    assert got["number correct"] == reference_lambada(hf, tok, LAMBADA, True, seq=seq)[0]

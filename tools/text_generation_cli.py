@@ -1,0 +1,70 @@
+"""Interactive client of the generation server.
+
+    python tools/text_generation_cli.py localhost:5000 [--tokens-to-generate 64] [--top-p 0.9] [--greedy]
+
+Reads a prompt per line, sends it to ``PUT /api`` and prints the continuation; an empty line or end of input
+quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+
+
+def put_api(address: str, payload: dict, timeout: float = 600.0) -> dict:
+    """Send ``payload`` to ``http://address/api``; returns the decoded answer or raises ``RuntimeError``."""
+    req = urllib.request.Request(f"http://{address}/api", data=json.dumps(payload).encode("utf-8"), method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise RuntimeError(f"server answered {exc.code}: {message}") from None
+    except urllib.error.URLError as exc:
+        raise RuntimeError(f"cannot reach http://{address}: {exc.reason}") from None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Interactive client of tools/run_text_generation_server.py")
+    p.add_argument("address", help="HOST:PORT of the server")
+    p.add_argument("--tokens-to-generate", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--seed", type=int, default=None)
+    args = p.parse_args(argv)
+    if ":" not in args.address:
+        p.error(f"address must be HOST:PORT, got {args.address!r}")
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("Enter prompt (empty line quits): ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        payload = {"prompts": [line.rstrip("\n")], "tokens_to_generate": args.tokens_to_generate}
+        if args.greedy:
+            payload["temperature"] = 0.0
+        else:
+            payload.update(temperature=args.temperature, top_k=args.top_k, top_p=0.0 if args.top_k else args.top_p)
+        if args.seed is not None:
+            payload["random_seed"] = args.seed
+        try:
+            answer = put_api(args.address, payload)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        print(answer["text"][0], flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
