@@ -202,3 +202,23 @@ def test_resume_is_bit_exact_with_dropout(vocab, tmp_path):
     assert [row["iteration"] for row in second["history"]] == [4, 5, 6]
     assert _history(first) == whole[:3]
     assert resumed == whole[3:]
+
+
+@pytest.mark.parametrize("script,world", [("pretrain_bert.sh", 8), ("pretrain_bert_distributed.sh", 32)])
+def test_example_scripts_parse(script, world, vocab):
+    """The example launch scripts' flags are a valid BERT-large configuration for their GPU count."""
+    import re
+    import shlex
+
+    from megatron.training.arguments import parse_config
+
+    text = open(os.path.join(ROOT, "examples", script)).read()
+    body = text[text.index("pretrain_bert.py \\") + len("pretrain_bert.py \\"):].replace("\\\n", " ")
+    env = {"DATA": "corpus_text_sentence", "VOCAB": vocab, "CKPT": "ckpt"}
+    body = re.sub(r'"\$\{(\w+):-([^}]*)\}"', lambda m: env.get(m.group(1), m.group(2)), body)
+    body = re.sub(r'"\$(\w+)"', lambda m: env[m.group(1)], body)
+    argv = shlex.split(body.strip().split("\n")[0])
+    cfg, _ = parse_config(argv, world_size=world, extra_sections=[pretrain_bert.BERT])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (24, 1024, 16, 512)
+    assert cfg.extra["bert"].bert_binary_head and cfg.extra["bert"].mask_prob == 0.15
