@@ -1,6 +1,6 @@
 """BERT end to end on real text: sentence-split preprocessing, then pretrain_bert.py through the real loop.
 
-- The bundled ``data/tinyshakespeare.jsonl.gz`` with a 2,000-entry WordPiece vocabulary trained here (the
+- The bundled ``data/tinyshakespeare.jsonl.gz`` with an 8,000-entry WordPiece vocabulary trained here (the
   ``tokenizers`` library): always runs.
 - A slice of the shared prose corpus with bert-base-uncased's vocabulary: skipped without ``../shared/data``.
 - GPT ``_document`` data given to pretrain_bert.py under ``torchrun --nproc_per_node 2``: one ``error:`` line.
@@ -55,7 +55,7 @@ def shakespeare(tmp_path_factory):
     with open(jsonl) as f:
         docs = [json.loads(line)["text"] for line in f]
     tok = BertWordPieceTokenizer(lowercase=True)
-    tok.train_from_iterator(docs, vocab_size=2000, min_frequency=2, special_tokens=SPECIAL, show_progress=False)
+    tok.train_from_iterator(docs, vocab_size=8000, min_frequency=2, special_tokens=SPECIAL, show_progress=False)
     vocab = tok.save_model(str(d), "shakespeare")[0]
     return _preprocess(jsonl, str(d / "shakespeare"), vocab), vocab
 
@@ -87,7 +87,7 @@ def _check_learns(summary, iters: int):
 
 def test_shakespeare_with_a_trained_wordpiece_vocabulary(shakespeare, tmp_path, capsys):
     prefix, vocab = shakespeare
-    summary = pretrain_bert.main(_argv(prefix, vocab, str(tmp_path / "cache"), 150))
+    summary = pretrain_bert.main(_argv(prefix, vocab, str(tmp_path / "cache"), 150, lr=5e-3, **{"min-lr": 5e-4}))
     _check_learns(summary, 150)
     out = capsys.readouterr().out
     assert "| lm loss: " in out and "| sop loss: " in out and "| sop accuracy: " in out
