@@ -4,142 +4,154 @@
         --seq-length 512 --max-position-embeddings 512 --tokenizer-type BertWordPieceLowerCase \
         --vocab-file bert-large-uncased-vocab.txt --data-path PREFIX_text_sentence ...
 
-The BERT flags (``--bert-no-binary-head``, ``--apply-residual-connection-post-layernorm``, ``--mask-prob``,
-``--short-seq-prob``) are read here; every other flag is the trainer's. The iteration line reports ``lm loss`` and
-``sop loss`` (docs/bert.md).
+The BERT flags are this entry point's own configuration section (``BertConfig``, stored with the checkpoint's
+arguments); every other flag is the trainer's. The iteration line reports ``lm loss``, ``sop loss`` and
+``sop accuracy`` (the binary head's accuracy), evaluation the same (docs/bert.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import List, Optional
 
+import torch
+
+from megatron.core.datasets.bert_dataset import MIN_SEQ_LENGTH
 from megatron.core.models.bert import BertModel, initialize_bert_parameters
-from megatron.core.models.bert_loss import make_bert_forward_step
+from megatron.core.models.bert_loss import bert_loss_func, get_bert_batch
 from megatron.core.pipeline_parallel.partition import layers_for_stage
-from megatron.core.transformer.config import TransformerConfig
-from megatron.training.arguments import pad_vocab_size, params_dtype
-from megatron.training.training import main_entry, print_rank_0
+from megatron.training.config import ExtraSection, TrainingContext, transformer_config
+from megatron.training.flag_table import ConfigError
+from megatron.training.training import main_entry, pretrain, print_rank_0, rank_0_first
 
 BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
-def parse_bert_args(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
-    """Split off the BERT flags: ``(bert_args, the trainer's argv)``."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
-                        help="no pooler, binary (SOP) head or token-type embedding; the loss is the MLM loss")
-    parser.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
-                        help="the original (post-LN) BERT order instead of pre-LN")
-    parser.add_argument("--mask-prob", type=float, default=0.15, help="fraction of positions masked")
-    parser.add_argument("--short-seq-prob", type=float, default=0.1,
-                        help="probability of a sample with a shorter target length")
-    bert_args, rest = parser.parse_known_args(argv)
-    if not 0.0 < bert_args.mask_prob < 1.0:
-        raise ValueError(f"--mask-prob must be in (0, 1), got {bert_args.mask_prob}")
-    if not 0.0 <= bert_args.short_seq_prob <= 1.0:
-        raise ValueError(f"--short-seq-prob must be in [0, 1], got {bert_args.short_seq_prob}")
-    return bert_args, rest
+@dataclass(frozen=True)
+class BertConfig:
+    """pretrain_bert's own flags (Megatron-LM's names; the last two are settings Megatron fixes in code)."""
+    bert_binary_head: bool
+    mask_prob: float
+    short_seq_prob: float
+    apply_residual_connection_post_layernorm: bool
+    whole_word_masking: bool
+    masking_max_ngram: int
 
 
-def _tokenizer(args):
-    from megatron.core.tokenizer import build_tokenizer
-
-    if args.tokenizer_type not in BERT_TOKENIZERS:
-        raise ValueError(f"BERT needs a WordPiece vocabulary with [CLS], [SEP] and [MASK]: --tokenizer-type must be "
-                         f"one of {', '.join(BERT_TOKENIZERS)}, got {args.tokenizer_type}")
-    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file)
-
-
-def bert_config(args, bert_args, padded_vocab_size: int) -> TransformerConfig:
-    """The encoder's TransformerConfig from the trainer's flags plus the BERT ones."""
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings, padded_vocab_size=padded_vocab_size,
-        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        layernorm_epsilon=args.layernorm_epsilon, layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        init_method_std=args.init_method_std, params_dtype=params_dtype(args),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        recompute_modules=tuple(args.recompute_modules), attention_backend=args.attention_backend,
-        use_fused_kernels=not (args.no_bias_gelu_fusion or args.no_bias_dropout_fusion or args.no_persist_layer_norm),
-        gradient_accumulation_fusion=not args.no_gradient_accumulation_fusion,
-        fp8=args.fp8_format, fp8_margin=args.fp8_margin, fp8_recipe=args.fp8_recipe,
-        fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
-        attention_mask_type="padding",
-        apply_residual_connection_post_layernorm=bert_args.apply_residual_connection_post_layernorm,
-    )
+def add_bert_arguments(parser) -> None:
+    g = parser.add_argument_group("BERT")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                   help="no pooler, binary (sentence-order) head or token-type embedding; the loss is the MLM loss")
+    g.add_argument("--bert-binary-head", action="store_true", dest="bert_binary_head", default=True,
+                   help="the sentence-order head (the default)")
+    g.add_argument("--mask-prob", type=float, default=0.15, help="fraction of positions masked (default 0.15)")
+    g.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="probability of a sample with a shorter target length (default 0.1)")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="the original (post-LN) BERT order instead of pre-LN")
+    g.add_argument("--no-whole-word-masking", action="store_false", dest="whole_word_masking",
+                   help="mask WordPiece tokens independently instead of whole words")
+    g.add_argument("--masking-max-ngram", type=int, default=3,
+                   help="longest n-gram of words masked together (default 3, Megatron's value)")
 
 
-def model_provider(args, bert_args, pstate):
+def validate_bert(ns) -> None:
+    if ns.tokenizer_type not in BERT_TOKENIZERS:
+        raise ConfigError(f"BERT needs a WordPiece vocabulary with [CLS], [SEP] and [MASK]: --tokenizer-type must be "
+                          f"one of {', '.join(BERT_TOKENIZERS)}, got {ns.tokenizer_type}")
+    if not 0.0 < ns.mask_prob < 1.0:
+        raise ConfigError(f"--mask-prob must be in (0, 1), got {ns.mask_prob}")
+    if not 0.0 <= ns.short_seq_prob <= 1.0:
+        raise ConfigError(f"--short-seq-prob must be in [0, 1], got {ns.short_seq_prob}")
+    if ns.masking_max_ngram < 1:
+        raise ConfigError(f"--masking-max-ngram must be >= 1, got {ns.masking_max_ngram}")
+    if ns.seq_length < MIN_SEQ_LENGTH:
+        raise ConfigError(f"--seq-length {ns.seq_length} is too short for a BERT sample [CLS] A [SEP] B [SEP]: "
+                          f"at least {MIN_SEQ_LENGTH} tokens are needed")
+    if ns.enable_cuda_graph:
+        raise ConfigError("--enable-cuda-graph captures the GPT step only; run pretrain_bert.py without it")
+
+
+BERT = ExtraSection("bert", BertConfig, add_bert_arguments, validate_bert)
+
+
+def model_provider(ctx: TrainingContext) -> List[BertModel]:
     """This rank's BERT chunks (one per virtual pipeline stage), initialised layout-independently."""
-    if args.enable_cuda_graph:
-        raise ValueError("--enable-cuda-graph captures the GPT step only; run BERT without it")
-    tokenizer = _tokenizer(args)
-    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, pstate.tp_size)
-    print_rank_0(f"> vocabulary {tokenizer.vocab_size} padded to {args.padded_vocab_size}")
-    config = bert_config(args, bert_args, args.padded_vocab_size)
+    m, par, pstate, bert = ctx.config.model, ctx.config.parallel, ctx.pstate, ctx.config.extra["bert"]
+    config = replace(transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size),
+                     attention_mask_type="padding",
+                     apply_residual_connection_post_layernorm=bert.apply_residual_connection_post_layernorm)
     vpp = pstate.vpp_size or 1
     chunks = []
     for v in range(vpp):
         offset, count = layers_for_stage(
-            args.num_layers, pstate.pp_size, pstate.pp_rank, vpp_size=pstate.vpp_size, vpp_rank=v,
-            first_stage_layers=args.decoder_first_pipeline_num_layers,
-            last_stage_layers=args.decoder_last_pipeline_num_layers)
+            m.num_layers, pstate.pp_size, pstate.pp_rank, vpp_size=pstate.vpp_size, vpp_rank=v,
+            first_stage_layers=par.decoder_first_pipeline_num_layers,
+            last_stage_layers=par.decoder_last_pipeline_num_layers)
         pre = pstate.is_pipeline_first_stage and v == 0
         post = pstate.is_pipeline_last_stage and v == vpp - 1
         model = BertModel(config, pstate, pre_process=pre, post_process=post, num_layers=count, layer_offset=offset,
-                          num_tokentypes=2 if bert_args.bert_binary_head else 0,
-                          add_binary_head=bert_args.bert_binary_head, use_torch_compile=args.use_torch_compile)
-        initialize_bert_parameters(model, args.seed, config, pstate, layer_offset=offset)
+                          num_tokentypes=2 if bert.bert_binary_head else 0, add_binary_head=bert.bert_binary_head,
+                          use_torch_compile=m.use_torch_compile)
+        initialize_bert_parameters(model, ctx.config.training.seed, config, pstate, layer_offset=offset)
         chunks.append(model)
     return chunks
 
 
-def datasets_provider(args, bert_args, pstate, num_samples):
-    """Train/valid/test BERT masked-LM datasets (Megatron-Core's sample order) from ``--data-path``."""
-    import torch.distributed as dist
+def loss_func(loss_mask, is_random, output_tensor):
+    """The MLM + sentence-order loss of one microbatch, and the binary head's accuracy on it."""
+    loss, stats = bert_loss_func(loss_mask, is_random, output_tensor, binary_loss_name="sop loss")
+    binary_logits = output_tensor[1]
+    if binary_logits is not None:
+        labels = is_random.reshape(-1)
+        valid = labels >= 0
+        hits = (binary_logits.detach().view(-1, 2).argmax(dim=-1) == labels) & valid
+        stats["sop accuracy"] = hits.float().sum() / valid.float().sum().clamp(min=1.0)
+    return loss, stats
 
-    try:
-        from megatron.core.datasets.bert_dataset import build_bert_datasets
-    except ImportError as exc:
-        raise ValueError(f"BERT training needs the masked-LM dataset (megatron/core/datasets/bert_dataset.py): "
-                         f"{exc}") from exc
+
+def forward_step(ctx: TrainingContext, data_iterator, model):
+    """Every pipeline stage reads the batch: each stage's attention needs the padding mask."""
+    inner = getattr(model, "module", model)
+    batch = get_bert_batch(data_iterator, ctx.pstate)
+    labels = batch["labels"] if inner.post_process else None
+    output = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=labels)
+    return output, lambda out: loss_func(batch["loss_mask"], batch["is_random"], out)
+
+
+def datasets_provider(ctx: TrainingContext, num_samples):
+    """(train, valid, test) masked-LM datasets of ``--data-path`` (sentence-split data), or ``--mock-data``."""
+    from megatron.core.datasets import BertDatasetConfig, MaskingConfig, WordPieceVocab, build_bert_datasets
+
+    d, bert, seed = ctx.config.data, ctx.config.extra["bert"], ctx.config.training.seed
+    config = BertDatasetConfig(
+        seq_length=ctx.config.model.seq_length, seed=seed,
+        vocab=WordPieceVocab.from_tokenizer(ctx.tokenizer, f"--vocab-file {d.vocab_file}"),
+        short_seq_prob=bert.short_seq_prob, binary_head=bert.bert_binary_head,
+        masking=MaskingConfig(mask_prob=bert.mask_prob, max_ngram=bert.masking_max_ngram,
+                              whole_word=bert.whole_word_masking))
+    if d.mock_data:
+        from megatron.training.mock_bert_data import mock_bert_datasets
+
+        print_rank_0(f"> mock BERT datasets of random sentences for {num_samples} (train, valid, test) samples")
+        return mock_bert_datasets(num_samples, config)
     print_rank_0(f"> building BERT datasets for {num_samples} (train, valid, test) samples")
-    return build_bert_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, num_samples, tokenizer=_tokenizer(args),
-        masking_probability=bert_args.mask_prob, short_sequence_probability=bert_args.short_seq_prob,
-        classification_head=bert_args.bert_binary_head, cache_dir=args.data_cache_path,
-        is_rank_0=(pstate.rank == 0), barrier=(dist.barrier if dist.is_initialized() else None))
 
+    def build(first: bool):
+        try:
+            return build_bert_datasets(d.data_path, d.split, config, num_samples, cache_dir=d.data_cache_path,
+                                       is_rank_0=first, barrier=None if first else (lambda: None))
+        except OSError as exc:
+            raise ValueError(f"building the BERT datasets of --data-path {' '.join(d.data_path)} "
+                             f"(--data-cache-path {d.data_cache_path}): {exc}") from None
 
-class _Deferred:
-    """Binds the parsed flags lazily: pretrain() parses them, the model provider sees them first."""
-
-    def __init__(self):
-        self.fn = None
-
-    def __call__(self, *a):
-        return self.fn(*a)
+    # rank 0 builds (and caches) the indices first; its errors reach every rank as the same single line
+    return rank_0_first(build)
 
 
 def main(argv: Optional[List[str]] = None, datasets=None):
-    """Run pretraining; ``datasets(args, bert_args, pstate, num_samples)`` replaces the ``--data-path`` datasets
-    (tests train on an in-memory dataset through the same loop)."""
-    from megatron.training.training import pretrain
-
-    bert_args, rest = parse_bert_args(list(sys.argv[1:] if argv is None else argv))
-    step = _Deferred()
-    build_datasets = datasets or datasets_provider
-
-    def provider(args, pstate):
-        step.fn = make_bert_forward_step(pstate, binary_loss_name="sop loss")
-        return model_provider(args, bert_args, pstate)
-
-    return pretrain(provider, step, lambda args, pstate, n: build_datasets(args, bert_args, pstate, n), argv=rest)
+    """Run pretraining; ``datasets(ctx, num_samples)`` may replace the ``--data-path`` datasets (tests)."""
+    return pretrain(model_provider, forward_step, datasets or datasets_provider, argv=argv, extra_sections=[BERT])
 
 
 if __name__ == "__main__":

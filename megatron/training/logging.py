@@ -51,6 +51,9 @@ def format_iteration_line(
 def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
     parts = [f" {prefix} |"]
     for key, value in losses.items():
+        if not key.endswith("loss"):  # an accuracy or other statistic: no perplexity
+            parts.append(f" {key} value: {value:.6E} |")
+            continue
         ppl = math.exp(min(20.0, value))
         parts.append(f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |")
     return "".join(parts)

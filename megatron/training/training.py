@@ -455,8 +455,12 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
         print_rank_0(f"> no checkpoint found in {ck.load}; starting from scratch")
 
     consumed_valid = (trainer.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
-    trainer.iterators = _build_iterators(ctx, datasets_provider, trainer.consumed_train_samples,
-                                         consumed_valid, len(model))
+    # A DataLoader iterator draws its base seed from the global torch generator; building the iterators inside
+    # fork_rng leaves the generator where initialisation (or the checkpoint's RNG state) put it, so dropout
+    # masks after a resume are those of an uninterrupted run.
+    with torch.random.fork_rng(devices=[]):
+        trainer.iterators = _build_iterators(ctx, datasets_provider, trainer.consumed_train_samples,
+                                             consumed_valid, len(model))
     summary = {"iteration": trainer.iteration}
     if not t.skip_train and trainer.iteration < t.train_iters:
         result = trainer.run(start_time)
