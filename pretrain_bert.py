@@ -14,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-import torch
 
 from megatron.core.datasets.bert_dataset import MIN_SEQ_LENGTH
 from megatron.core.models.bert import BertModel, initialize_bert_parameters
 from megatron.core.models.bert_loss import bert_loss_func, get_bert_batch
-from megatron.core.pipeline_parallel.partition import layers_for_stage
+from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training.config import ExtraSection, TrainingContext, transformer_config
 from megatron.training.flag_table import ConfigError
 from megatron.training.training import main_entry, pretrain, print_rank_0, rank_0_first
@@ -81,19 +80,14 @@ def model_provider(ctx: TrainingContext) -> List[BertModel]:
     config = replace(transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size),
                      attention_mask_type="padding",
                      apply_residual_connection_post_layernorm=bert.apply_residual_connection_post_layernorm)
-    vpp = pstate.vpp_size or 1
     chunks = []
-    for v in range(vpp):
-        offset, count = layers_for_stage(
-            m.num_layers, pstate.pp_size, pstate.pp_rank, vpp_size=pstate.vpp_size, vpp_rank=v,
-            first_stage_layers=par.decoder_first_pipeline_num_layers,
-            last_stage_layers=par.decoder_last_pipeline_num_layers)
-        pre = pstate.is_pipeline_first_stage and v == 0
-        post = pstate.is_pipeline_last_stage and v == vpp - 1
-        model = BertModel(config, pstate, pre_process=pre, post_process=post, num_layers=count, layer_offset=offset,
+    for c in stage_chunks(m.num_layers, pstate, par.decoder_first_pipeline_num_layers,
+                          par.decoder_last_pipeline_num_layers):
+        model = BertModel(config, pstate, pre_process=c.pre_process, post_process=c.post_process,
+                          num_layers=c.num_layers, layer_offset=c.layer_offset,
                           num_tokentypes=2 if bert.bert_binary_head else 0, add_binary_head=bert.bert_binary_head,
                           use_torch_compile=m.use_torch_compile)
-        initialize_bert_parameters(model, ctx.config.training.seed, config, pstate, layer_offset=offset)
+        initialize_bert_parameters(model, ctx.config.training.seed, config, pstate, layer_offset=c.layer_offset)
         chunks.append(model)
     return chunks
 

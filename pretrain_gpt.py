@@ -10,7 +10,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.init import initialize_model_parameters
-from megatron.core.pipeline_parallel.partition import layers_for_stage
+from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training.config import TrainingContext, transformer_config
 from megatron.training.training import main_entry, pretrain, print_rank_0, rank_0_first
 
@@ -19,18 +19,13 @@ def model_provider(ctx: TrainingContext):
     """Build this rank's model chunks (one per virtual pipeline stage), initialised layout-independently."""
     m, par, pstate = ctx.config.model, ctx.config.parallel, ctx.pstate
     config = transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size)
-    vpp = pstate.vpp_size or 1
     chunks = []
-    for v in range(vpp):
-        offset, count = layers_for_stage(
-            m.num_layers, pstate.pp_size, pstate.pp_rank, vpp_size=pstate.vpp_size, vpp_rank=v,
-            first_stage_layers=par.decoder_first_pipeline_num_layers,
-            last_stage_layers=par.decoder_last_pipeline_num_layers)
-        pre = pstate.is_pipeline_first_stage and v == 0
-        post = pstate.is_pipeline_last_stage and v == vpp - 1
-        model = GPTModel(config, pstate, pre_process=pre, post_process=post, num_layers=count, layer_offset=offset,
+    for c in stage_chunks(m.num_layers, pstate, par.decoder_first_pipeline_num_layers,
+                          par.decoder_last_pipeline_num_layers):
+        model = GPTModel(config, pstate, pre_process=c.pre_process, post_process=c.post_process,
+                         num_layers=c.num_layers, layer_offset=c.layer_offset,
                          use_torch_compile=m.use_torch_compile, fused_cross_entropy=m.cross_entropy_loss_fusion)
-        initialize_model_parameters(model, ctx.config.training.seed, config, pstate, layer_offset=offset)
+        initialize_model_parameters(model, ctx.config.training.seed, config, pstate, layer_offset=c.layer_offset)
         chunks.append(model)
     return chunks
 

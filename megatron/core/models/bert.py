@@ -15,9 +15,6 @@ and ``binary_head.*``.
 
 from __future__ import annotations
 
-import math
-import re
-import zlib
 from typing import Optional
 
 import torch
@@ -30,6 +27,7 @@ from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.layer import LayerNorm
+from megatron.core.models.init import global_parameter_name, initialize_model_parameters
 
 
 def _linear(config: TransformerConfig, n_in: int, n_out: int) -> nn.Linear:
@@ -218,48 +216,12 @@ class BertModel(nn.Module):
 # --------------------------------------------------------------------------------------------------------------
 # Layout-independent initialisation
 # --------------------------------------------------------------------------------------------------------------
-_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
-
-
 def global_bert_parameter_name(name: str, layer_offset: int, tied_output: bool) -> str:
     """A chunk-local parameter name as named in the whole model (the key of its initialisation seed)."""
-    name = _LAYER.sub(lambda m: f"encoder.layers.{int(m.group(1)) + layer_offset}.", name)
-    if tied_output and name == "output_layer.weight":
-        return "embedding.word_embeddings.weight"  # the tied copy on the last stage starts equal
-    return name
+    return global_parameter_name(name, layer_offset, tied_output, stack="encoder")
 
 
-def _init_full(name: str, shape, config: TransformerConfig, gen: torch.Generator, device) -> torch.Tensor:
-    full = torch.empty(shape, dtype=torch.float32, device=device)
-    leaf = name.rsplit(".", 1)[-1]
-    if "layernorm" in name or "layer_norm" in name:
-        fill = 0.0 if (leaf == "weight" and config.layernorm_zero_centered_gamma) else float(leaf == "weight")
-        return full.fill_(fill)
-    if leaf == "bias":
-        return full.zero_()
-    std = config.init_method_std
-    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
-        std = std / math.sqrt(2.0 * config.num_layers)  # scaled init of the residual-branch outputs
-    return full.normal_(0.0, std, generator=gen)
-
-
-@torch.no_grad()
 def initialize_bert_parameters(model: nn.Module, seed: int, config: TransformerConfig, pstate: ParallelState,
                                layer_offset: int = 0) -> None:
-    """Draw every parameter whole from a generator seeded by ``(seed, global name)`` and keep this rank's slice:
-    the same full model at any TP/PP layout. LayerNorms start at (1, 0), biases at 0, weights at
-    N(0, init_method_std), the residual-branch output projections at N(0, std / sqrt(2 * num_layers))."""
-    tied = config.share_embeddings_and_output_weights
-    for name, param in model.named_parameters():
-        gname = global_bert_parameter_name(name, layer_offset, tied)
-        shape = list(param.shape)
-        parallel = getattr(param, "tensor_model_parallel", False)
-        dim = getattr(param, "partition_dim", -1)
-        if parallel:
-            shape[dim] *= pstate.tp_size
-        gen = torch.Generator(device=param.device)
-        gen.manual_seed((seed * 1_000_003 + zlib.crc32(gname.encode())) % (2**63 - 1))
-        full = _init_full(gname, shape, config, gen, param.device)
-        if parallel and pstate.tp_size > 1:
-            full = full.chunk(pstate.tp_size, dim=dim)[pstate.tp_rank]
-        param.copy_(full)
+    """The GPT's layout-independent initialisation (``models/init.py``) over the encoder's parameter names."""
+    initialize_model_parameters(model, seed, config, pstate, layer_offset, stack="encoder")

@@ -15,12 +15,10 @@ import torch
 from megatron.core.parallel_state import ParallelState
 from megatron.core.transformer.config import TransformerConfig
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def global_parameter_name(name: str, layer_offset: int, tied_output: bool) -> str:
-    """Map a chunk-local parameter name to its name in the whole model (the key of its init seed)."""
-    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+def global_parameter_name(name: str, layer_offset: int, tied_output: bool, stack: str = "decoder") -> str:
+    """Map a chunk-local parameter name to its name in the whole model (the key of its init seed); ``stack``: the
+    layer stack's name, ``decoder`` (GPT) or ``encoder`` (BERT)."""
+    name = re.sub(rf"^{stack}\.layers\.(\d+)\.", lambda m: f"{stack}.layers.{int(m.group(1)) + layer_offset}.", name)
     if tied_output and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"  # the tied copy on the last stage starts equal
     return name
@@ -29,7 +27,7 @@ def global_parameter_name(name: str, layer_offset: int, tied_output: bool) -> st
 def _init_full(name: str, shape, config: TransformerConfig, gen: torch.Generator, device) -> torch.Tensor:
     full = torch.empty(shape, dtype=torch.float32, device=device)
     leaf = name.rsplit(".", 1)[-1]
-    if "layernorm" in name:
+    if "layernorm" in name or "layer_norm" in name:  # BERT's LM head names its LayerNorm layer_norm
         fill = 0.0 if (leaf == "weight" and config.layernorm_zero_centered_gamma) else float(leaf == "weight")
         return full.fill_(fill)
     if leaf == "bias":
@@ -42,11 +40,15 @@ def _init_full(name: str, shape, config: TransformerConfig, gen: torch.Generator
 
 @torch.no_grad()
 def initialize_model_parameters(
-    model: torch.nn.Module, seed: int, config: TransformerConfig, pstate: ParallelState, layer_offset: int = 0
+    model: torch.nn.Module, seed: int, config: TransformerConfig, pstate: ParallelState, layer_offset: int = 0,
+    stack: str = "decoder",
 ) -> None:
+    """Draw every parameter whole from a generator seeded by ``(seed, global name)`` and keep this rank's slice:
+    the same full model at any TP/PP layout. LayerNorms start at (1, 0), biases at 0, weights at
+    N(0, init_method_std), the residual-branch output projections at N(0, std / sqrt(2 * num_layers))."""
     tied = config.share_embeddings_and_output_weights
     for name, param in model.named_parameters():
-        gname = global_parameter_name(name, layer_offset, tied)
+        gname = global_parameter_name(name, layer_offset, tied, stack)
         shape = list(param.shape)
         parallel = getattr(param, "tensor_model_parallel", False)
         dim = getattr(param, "partition_dim", -1)

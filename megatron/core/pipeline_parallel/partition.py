@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 
 def layers_per_rank(
@@ -86,3 +86,27 @@ def layers_for_stage(
     # virtual stages in order: (chunk 0 of ranks 0..pp-1), (chunk 1 of ranks 0..pp-1), ...
     offset = vpp_rank * num_layers // vpp + sum(per_chunk[:pp_rank])
     return offset, per_chunk[pp_rank]
+
+
+class StageChunk(NamedTuple):
+    """One model chunk of this pipeline rank: its decoder/encoder layers and whether it holds the first stage's
+    inputs (``pre_process``) and the last stage's outputs (``post_process``)."""
+
+    pre_process: bool
+    post_process: bool
+    layer_offset: int
+    num_layers: int
+
+
+def stage_chunks(num_layers: int, pstate, first_stage_layers: Optional[int] = None,
+                 last_stage_layers: Optional[int] = None) -> List[StageChunk]:
+    """The model chunks (one per virtual pipeline stage) that pipeline rank ``pstate.pp_rank`` builds."""
+    vpp = pstate.vpp_size or 1
+    chunks = []
+    for v in range(vpp):
+        offset, count = layers_for_stage(num_layers, pstate.pp_size, pstate.pp_rank, vpp_size=pstate.vpp_size,
+                                         vpp_rank=v, first_stage_layers=first_stage_layers,
+                                         last_stage_layers=last_stage_layers)
+        chunks.append(StageChunk(pstate.is_pipeline_first_stage and v == 0,
+                                 pstate.is_pipeline_last_stage and v == vpp - 1, offset, count))
+    return chunks
