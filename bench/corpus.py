@@ -90,20 +90,8 @@ def batches(argv: list, num_workers: int = None):
 
     ctx = trainer_context(argv)
     data = ctx.config.data
-    if data.data_path:
-        prefixes = [p for p in data.data_path if not _is_number(p)]
-        for p in prefixes:
-            if not (os.path.exists(p + ".bin") and os.path.exists(p + ".idx")):
-                raise FileNotFoundError(f"--data-path {p}: expected {p}.bin and {p}.idx")
     if num_workers is not None:
         config = dataclasses.replace(ctx.config, data=dataclasses.replace(data, num_workers=num_workers))
         ctx = dataclasses.replace(ctx, config=config)
     return _build_iterators(ctx, pretrain_gpt.datasets_provider, 0, 0, 1)["train"][0]
 
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
