@@ -3,9 +3,10 @@
 On a GPU the time of a GEMM depends on the data it multiplies (the clock follows the power drawn), so a trainer
 fed random or degenerate tokens is not comparable with one fed text. Every benchmark therefore uses the bundled
 corpus (``data/tinyshakespeare.jsonl.gz``) tokenised once by ``tools/preprocess_data.py`` into a ``.bin/.idx``
-pair, and every trainer reads it through the library's own GPT dataset and pretraining data loader with the
-flags our trainer gets (``--split 100,0,0``, ``--seed 1234``, ``--num-workers 2``): our trainer inside
-``pretrain_gpt.py``, the peers through ``batches`` below. Iteration ``i`` of every trainer sees the same samples.
+pair. Our trainer reads it inside ``pretrain_gpt.py``; the peers read it through ``batches`` below, which parses
+the very flags our trainer gets with the library's own parser, builds the same ``TrainingContext`` and asks
+``pretrain_gpt.datasets_provider`` and the training loop's iterator builder for the training micro-batches at
+data-parallel size 1. Iteration ``i`` of every trainer sees the same samples.
 """
 
 from __future__ import annotations
@@ -44,18 +45,92 @@ def prepare_dataset(workdir: str) -> str:
     return prefix
 
 
-def batches(data_prefix: str, seq_length: int, micro_batch_size: int, iterations: int,
-            num_workers: int = NUM_WORKERS):
-    """An iterator of ``{"text": int64[micro_batch_size, seq_length + 1]}``: the micro-batches that
-    ``pretrain_gpt.py`` reads in its first ``iterations`` iterations at data-parallel size 1 with the benchmark's
-    ``--split``, ``--seed`` and ``--num-workers`` (its training sample count is ``iterations x micro-batch``)."""
-    from megatron.core.datasets.builder import build_gpt_datasets
-    from megatron.core.datasets.samplers import build_pretraining_data_loader
+def data_flags(data_prefix: str) -> str:
+    """The data flags every benchmark run of ``pretrain_gpt.py`` gets (``--mock-data`` for ``data_prefix=None``)."""
+    source = "--mock-data" if data_prefix is None else f"--data-path {shlex.quote(data_prefix)}"
+    return (f"{source} --split {SPLIT} --seed {SEED} --num-workers {NUM_WORKERS} --tokenizer-type GPT2BPETokenizer "
+            f"--vocab-file {shlex.quote(VOCAB_FILE)} --merge-file {shlex.quote(MERGE_FILE)} "
+            "--make-vocab-size-divisible-by 128")
 
-    if not (os.path.exists(data_prefix + ".bin") and os.path.exists(data_prefix + ".idx")):
-        raise FileNotFoundError(f"--data-prefix {data_prefix}: expected {data_prefix}.bin and {data_prefix}.idx")
-    train, _, _ = build_gpt_datasets([data_prefix], SPLIT, seq_length, SEED,
-                                     (iterations * micro_batch_size, 0, 0))
+
+def trainer_flags(data_prefix, num_layers: int, hidden_size: int, num_heads: int, seq_length: int,
+                  micro_batch_size: int, iterations: int, global_batch_size: int = 0) -> list:
+    """The shape, batch, iteration and data flags of a ``pretrain_gpt.py`` run (global batch: the micro-batch)."""
+    return shlex.split(
+        f"--num-layers {num_layers} --hidden-size {hidden_size} --num-attention-heads {num_heads} "
+        f"--seq-length {seq_length} --max-position-embeddings {seq_length} "
+        f"--micro-batch-size {micro_batch_size} --global-batch-size {global_batch_size or micro_batch_size} "
+        f"--train-iters {iterations} {data_flags(data_prefix)}")
+
+
+def trainer_context(argv: list):
+    """The ``TrainingContext`` ``pretrain()`` builds for ``pretrain_gpt.py argv`` in one process (no model, no
+    process group): the library's parser, validation and tokenizer."""
+    from megatron.core.parallel_state import ParallelState
+    from megatron.training.arguments import parse_config
+    from megatron.training.training import build_context
+
+    cfg, _ = parse_config(argv, world_size=1)
+    return build_context(cfg, ParallelState.single())
+
+
+def batches(argv: list, num_workers: int = None):
+    """An iterator of ``{"text": int64[micro_batch_size, seq_length + 1]}``: the training micro-batches that
+    ``pretrain_gpt.py argv`` reads at data-parallel size 1, in order, from its first iteration on.
+
+    The datasets come from ``pretrain_gpt.datasets_provider`` and the loader from the training loop's own builder,
+    with the sample counts and loader settings ``pretrain()`` derives from ``argv``. ``num_workers`` (loader
+    processes; ``None``: the ``--num-workers`` of ``argv``) changes how the batches are read, not which.
+    """
+    import dataclasses
+
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt
+    from megatron.training.training import _build_iterators
+
+    ctx = trainer_context(argv)
+    data = ctx.config.data
+    if num_workers is not None:
+        config = dataclasses.replace(ctx.config, data=dataclasses.replace(data, num_workers=num_workers))
+        ctx = dataclasses.replace(ctx, config=config)
+    return _build_iterators(ctx, pretrain_gpt.datasets_provider, 0, 0, 1)["train"][0]
+
+
+
+def prepare_bert_dataset(workdir: str, vocab_file: str, lower_case: bool = True) -> str:
+    """The bundled corpus split into sentences and tokenised with the WordPiece ``vocab_file``
+    (``tools/preprocess_data.py --split-sentences``); returns the ``_text_sentence`` prefix."""
+    prefix = os.path.join(workdir, "bench_bert_text_sentence")
+    if os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"):
+        return prefix
+    src = os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz")
+    jsonl = os.path.join(workdir, "corpus.jsonl")
+    with gzip.open(src, "rb") as fin, open(jsonl, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+    tokenizer = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl,
+           "--output-prefix", os.path.join(workdir, "bench_bert"), "--tokenizer-type", tokenizer,
+           "--vocab-file", vocab_file, "--split-sentences", "--workers", "2"]
+    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    if not os.path.exists(prefix + ".bin"):
+        raise RuntimeError(f"tools/preprocess_data.py did not write {prefix}.bin")
+    return prefix
+
+
+def bert_batches(data_prefix: str, vocab_file: str, seq_length: int, micro_batch_size: int, iterations: int,
+                 num_workers: int = NUM_WORKERS, lower_case: bool = True):
+    """An iterator of BERT micro-batches (``text``, ``types``, ``labels``, ``is_random``, ``loss_mask``,
+    ``padding_mask``, ...): those ``pretrain_bert.py`` reads in its first ``iterations`` iterations at
+    data-parallel size 1 with the benchmark's ``--split``, ``--seed``, ``--num-workers`` and the default masking."""
+    from megatron.core.datasets import BertDatasetConfig, WordPieceVocab, build_bert_datasets
+    from megatron.core.datasets.samplers import build_pretraining_data_loader
+    from megatron.core.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("BertWordPieceLowerCase" if lower_case else "BertWordPieceCase", vocab_file=vocab_file)
+    config = BertDatasetConfig(seq_length=seq_length, seed=SEED,
+                               vocab=WordPieceVocab.from_tokenizer(tokenizer, f"--vocab-file {vocab_file}"))
+    train, _, _ = build_bert_datasets([data_prefix], SPLIT, config, (iterations * micro_batch_size, 0, 0))
     loader = build_pretraining_data_loader(train, 0, micro_batch_size, 0, 1, num_workers=num_workers)
     return iter(loader)
 

@@ -46,13 +46,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
+from functools import lru_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from corpus import MERGE_FILE, NUM_WORKERS, SEED, SPLIT, VOCAB_FILE, batches, prepare_dataset  # noqa: E402,F401
+from corpus import batches, prepare_dataset, trainer_context, trainer_flags  # noqa: E402
 from megatron.training.logging import num_floating_point_operations  # noqa: E402
 
 BF16_PEAK_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
@@ -69,31 +69,48 @@ OURS_FP8_ARGS = "--fp8-format hybrid"  # ours-fp8: our trainer with FP8 GEMMs in
 OURS_BASE_ARGS = (
     "--bf16 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 "
     "--adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 "
-    "--tokenizer-type GPT2BPETokenizer --make-vocab-size-divisible-by 128 "
-    f"--split {SPLIT} --eval-iters 0 --log-interval 1 --log-throughput --seed {SEED} --num-workers {NUM_WORKERS} "
-    "--cross-entropy-loss-fusion"
+    "--eval-iters 0 --log-interval 1 --log-throughput --cross-entropy-loss-fusion"
 )
 
 
-def flops_per_token(L: int, h: int, s: int, V: int = VOCAB) -> float:
-    """Model FLOPs per token of one training iteration, from the library's count (the trainer's log line)."""
-    args = SimpleNamespace(num_layers=L, hidden_size=h, seq_length=s, ffn_hidden_size=4 * h, padded_vocab_size=V)
-    return num_floating_point_operations(args, 1) / s
+def ours_flags(shape: dict, iters: int, warmup: int, data_prefix, extra: str = "", micro_batch: int = 0,
+               global_batch: int = 0) -> list:
+    """The ``pretrain_gpt.py`` flags of our trainer at a shape of ``SHAPES`` (``bench/corpus.py``'s shape, batch
+    and data flags, then ``OURS_BASE_ARGS`` and ``extra``); micro and global batch default to the shape's
+    micro-batch; ``data_prefix=None``: ``--mock-data``."""
+    micro = micro_batch or shape["micro_batch_size"]
+    return (trainer_flags(data_prefix, shape["num_layers"], shape["hidden_size"], shape["num_heads"],
+                          shape["seq_length"], micro, iters + warmup, global_batch or micro)
+            + shlex.split(f"{OURS_BASE_ARGS} {extra}"))
 
 
-def mfu(tokens_per_s: float, L: int, h: int, s: int, peak_tflops: float = BF16_PEAK_TFLOPS) -> float:
+@lru_cache(maxsize=None)
+def _flops_per_token(num_layers: int, hidden_size: int, num_heads: int, seq_length: int) -> float:
+    shape = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, seq_length=seq_length,
+                 micro_batch_size=1)
+    ctx = trainer_context(ours_flags(shape, 100, 0, None))  # --mock-data: no corpus needed
+    return num_floating_point_operations(ctx.config.model, ctx.padded_vocab_size, 1) / seq_length
+
+
+def flops_per_token(shape: dict) -> float:
+    """Model FLOPs per token of one training iteration: the library's count (the trainer's log line) for the
+    model section and padded vocabulary our trainer builds at this shape."""
+    return _flops_per_token(shape["num_layers"], shape["hidden_size"], shape["num_heads"], shape["seq_length"])
+
+
+def mfu(tokens_per_s: float, shape: dict, peak_tflops: float = BF16_PEAK_TFLOPS) -> float:
     """Model FLOPs utilisation against ``peak_tflops`` (the dense bf16 peak unless told otherwise)."""
-    return tokens_per_s * flops_per_token(L, h, s) / (peak_tflops * 1e12)
+    return tokens_per_s * flops_per_token(shape) / (peak_tflops * 1e12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # peers (run in a child process: ``--worker TRAINER --shape NAME``)
 # ---------------------------------------------------------------------------------------------------------------
-def _hf_model(shape: dict):
+def _hf_model(shape: dict, vocab: int):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=shape["seq_length"], n_embd=shape["hidden_size"],
+    cfg = GPT2Config(vocab_size=vocab, n_positions=shape["seq_length"], n_embd=shape["hidden_size"],
                      n_layer=shape["num_layers"], n_head=shape["num_heads"], resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, use_cache=False)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -115,9 +132,11 @@ def run_worker(trainer: str, shape_name: str, iters: int, warmup: int, data_pref
 
     torch.backends.cuda.matmul.allow_tf32 = True
     shape = SHAPES[shape_name]
-    data = batches(data_prefix, shape["seq_length"], shape["micro_batch_size"], warmup + iters)
+    flags = ours_flags(shape, iters, warmup, data_prefix)
+    data = batches(flags)  # what ours reads, iteration by iteration
+    vocab = trainer_context(flags).padded_vocab_size  # the embedding rows of our model
     if trainer == "hf-gpt2":
-        model = _hf_model(shape)
+        model = _hf_model(shape, vocab)
 
         def step(idx, tgt):  # the loss over the same targets as the other trainers (HF's labels= would shift)
             logits = model(input_ids=idx).logits  # [b, s, V]
@@ -125,7 +144,7 @@ def run_worker(trainer: str, shape_name: str, iters: int, warmup: int, data_pref
     else:
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = MinimalGPT(shape["num_layers"], shape["hidden_size"], shape["num_heads"],
-                               shape["seq_length"], VOCAB)
+                               shape["seq_length"], vocab)
         step = torch.compile(model) if trainer == "minimal-compiled" else model
     return train_and_time(model, step, data, iters, warmup)
 
@@ -137,15 +156,9 @@ def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, extra: 
                  global_batch: int = 0) -> list:
     """``python gpu_throughput.py --run-ours -- pretrain_gpt.py FLAGS`` for a shape (micro and global batch
     default to the shape's micro-batch)."""
-    s = shape
-    micro = micro_batch or s["micro_batch_size"]
-    args = (f"--num-layers {s['num_layers']} --hidden-size {s['hidden_size']} --num-attention-heads {s['num_heads']} "
-            f"--seq-length {s['seq_length']} --max-position-embeddings {s['seq_length']} "
-            f"--micro-batch-size {micro} --global-batch-size {global_batch or micro} "
-            f"--train-iters {iters + warmup} --data-path {data_prefix} "
-            f"--vocab-file {VOCAB_FILE} --merge-file {MERGE_FILE} {OURS_BASE_ARGS} {extra}")
     return [sys.executable, os.path.join(ROOT, "bench", "gpu_throughput.py"), "--run-ours", "--",
-            os.path.join(ROOT, "pretrain_gpt.py")] + shlex.split(args)
+            os.path.join(ROOT, "pretrain_gpt.py")] + ours_flags(shape, iters, warmup, data_prefix, extra, micro_batch,
+                                                                global_batch)
 
 
 ITER_RE = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+).*?elapsed time per iteration \(ms\):\s*([0-9.]+)"
@@ -333,8 +346,8 @@ def make_row(trainer: str, shape_name: str, res: dict, command: str, peaks: tupl
     fp8 = trainer.startswith("ours-fp8")
     return {"trainer": trainer, "num_layers": L, "hidden_size": h, "seq_length": seq,
             "micro_batch_size": s["micro_batch_size"], "ms_per_iter": round(res["ms_per_iter"], 2),
-            "tokens_per_s": round(tokens, 1), "mfu": round(mfu(tokens, L, h, seq, peaks[0]), 4),
-            "mfu_fp8_peak": round(mfu(tokens, L, h, seq, peaks[1]), 4) if fp8 else None,
+            "tokens_per_s": round(tokens, 1), "mfu": round(mfu(tokens, s, peaks[0]), 4),
+            "mfu_fp8_peak": round(mfu(tokens, s, peaks[1]), 4) if fp8 else None,
             "peak_mem_gib": None if res.get("peak_mem_gib") is None else round(res["peak_mem_gib"], 2),
             "command": command}
 

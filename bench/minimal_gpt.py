@@ -101,6 +101,7 @@ def train_and_time(model: nn.Module, step_model, batches, iters: int, warmup: in
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from corpus import batches, prepare_dataset
+    from gpu_throughput import ours_flags
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -119,7 +120,10 @@ def main() -> None:
         raise SystemExit("--device cuda: no CUDA device is visible (use --device cpu for a check of the script)")
     torch.backends.cuda.matmul.allow_tf32 = True
     prefix = a.data_prefix or prepare_dataset(tempfile.mkdtemp(prefix="bench_data_"))
-    data = batches(prefix, a.seq, a.batch, a.warmup + a.iters)
+    # the micro-batches pretrain_gpt.py reads at this shape and batch size
+    shape = dict(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, seq_length=a.seq,
+                 micro_batch_size=a.batch)
+    data = batches(ours_flags(shape, a.iters, a.warmup, prefix))
     with torch.device(a.device):
         model = MinimalGPT(a.layers, a.hidden, a.heads, a.seq, a.vocab)
     step = torch.compile(model) if a.compile else model

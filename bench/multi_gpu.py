@@ -92,7 +92,7 @@ def run_layout(shape_name: str, layout: dict, iters: int, warmup: int, data_pref
             "micro_batch_size": layout["micro"], "global_batch_size": layout["global_batch"],
             "ms_per_iter": round(res["ms_per_iter"], 2), "iter_ms_median": round(statistics.median(res["iter_ms"]), 2),
             "tokens_per_s": round(tokens, 1), "tokens_per_s_per_gpu": round(per_gpu, 1),
-            "mfu_per_gpu": round(mfu(per_gpu, s["num_layers"], s["hidden_size"], s["seq_length"]), 4),
+            "mfu_per_gpu": round(mfu(per_gpu, s), 4),
             "log_tflops": res["log_tflops"], "peak_mem_gib_max_rank": round(max(peaks) / 2**30, 2) if peaks else None,
             "losses": res["losses"], "iter_ms": res["iter_ms"], "wall_s": round(time.time() - t0, 1),
             "command": "python " + shown}

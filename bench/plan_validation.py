@@ -175,7 +175,9 @@ def prepare_bert_dataset(workdir: str, vocab: str) -> str:
 
 
 def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert_vocab: str, configs=None) -> list:
-    from bench.gpu_throughput import parse_ours_log, prepare_dataset  # the benchmark's data and log parsing
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from corpus import SEED, SPLIT, data_flags, prepare_dataset  # the benchmark's data
+    from gpu_throughput import parse_ours_log  # and log parsing
 
     workdir = tempfile.mkdtemp(prefix="plan_validation_")
     data = prepare_dataset(workdir)
@@ -191,13 +193,12 @@ def run_all(calibration: dict, only, iters: int, warmup: int, log_dir: str, bert
             print(f"{name}: needs a BERT WordPiece vocabulary (--bert-vocab-file); row not measured", flush=True)
             continue
         if entry == "pretrain_bert.py":  # WordPiece vocabulary: --bert-vocab-file or the BERT_VOCAB_FILE variable
-            tok = f"--vocab-file {bert_vocab} --tokenizer-type BertWordPieceLowerCase"
-        else:
-            tok = (f"--vocab-file {os.path.join(ROOT, 'data', 'gpt2-vocab.json')} --merge-file "
-                   f"{os.path.join(ROOT, 'data', 'gpt2-merges.txt')} --tokenizer-type GPT2BPETokenizer")
-        prefix = prepare_bert_dataset(workdir, bert_vocab) if entry == "pretrain_bert.py" else data
-        run = (f"{full} --train-iters {iters + warmup} --data-path {prefix} {tok} --lr 1e-4 --split 100,0,0 "
-               "--eval-iters 0 --log-interval 1 --seed 1234")
+            prefix = prepare_bert_dataset(workdir, bert_vocab)
+            source = (f"--data-path {prefix} --vocab-file {bert_vocab} --tokenizer-type BertWordPieceLowerCase "
+                      f"--split {SPLIT} --seed {SEED}")
+        else:  # the GPT data flags of every throughput benchmark (bench/corpus.py)
+            source = data_flags(data)
+        run = f"{full} --train-iters {iters + warmup} {source} --lr 1e-4 --eval-iters 0 --log-interval 1"
         launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                        f"--nproc_per_node={gpus}"]
         cmd = launcher + [os.path.join(ROOT, "bench", "plan_validation.py"), "--run-one", "--",

@@ -55,37 +55,75 @@ def test_gpu_driver_script_parses():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_peers_read_the_batches_our_trainer_reads(corpus_prefix):
-    """The peers' batches (bench/corpus.py) equal the micro-batches pretrain_gpt.py loads with the flags the
-    benchmark gives it, iteration by iteration: same .bin/.idx, same split, seed and sample order."""
+# Runs pretrain_gpt.py's own pretrain() in a child process with a forward step that records every micro-batch
+# the trainer's data iterator hands out, then calls the entry point's real forward step with it.
+RECORD_TRAINER_BATCHES = """
+import sys
+import torch
+import pretrain_gpt
+from megatron.training.training import pretrain
+
+out, argv, seen = sys.argv[1], sys.argv[2:], []
+
+class Recording:
+    def __init__(self, it):
+        self.it = it
+
+    def __next__(self):
+        batch = next(self.it)
+        seen.append(batch["text"].clone())
+        return batch
+
+def forward_step(ctx, data_iterator, model):
+    return pretrain_gpt.forward_step(ctx, Recording(data_iterator), model)
+
+pretrain(pretrain_gpt.model_provider, forward_step, pretrain_gpt.datasets_provider, argv=argv)
+torch.save(seen, out)
+"""
+
+
+def test_peers_read_the_batches_our_trainer_reads(corpus_prefix, tmp_path):
+    """The peers' batches (bench/corpus.py) equal the micro-batches pretrain_gpt.py's training loop reads with
+    the flags the benchmark gives it, iteration by iteration: same .bin/.idx, split, seed and sample order."""
     sys.path.insert(0, BENCH)
     try:
         import gpu_throughput
         from corpus import batches
     finally:
         sys.path.remove(BENCH)
-    import pretrain_gpt
-    from megatron.core.datasets.samplers import build_pretraining_data_loader
-    from megatron.core.parallel_state import ParallelState
-    from megatron.training.arguments import parse_args
 
-    iters, shape = 4, gpu_throughput.SHAPES["tiny"]
+    iters, shape = 3, gpu_throughput.SHAPES["tiny"]
     cmd = gpu_throughput.ours_command(shape, iters - 1, 1, corpus_prefix, "")
     argv = cmd[cmd.index(os.path.join(ROOT, "pretrain_gpt.py")) + 1:]
-    args = parse_args(argv)
+    out = str(tmp_path / "trainer_batches.pt")
+    proc = subprocess.run([sys.executable, "-c", RECORD_TRAINER_BATCHES, out] + argv, cwd=ROOT, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    ours = torch.load(out)
     mb = shape["micro_batch_size"]
-    train, _, _ = pretrain_gpt.datasets_provider(args, ParallelState.single(), (args.train_iters * mb, 0, 0))
-    ours = iter(build_pretraining_data_loader(train, 0, mb, 0, 1, num_workers=0))
-    peers = batches(corpus_prefix, shape["seq_length"], mb, iters, num_workers=0)
-    seen = []
-    for _ in range(iters):
-        a, b = next(ours)["text"], next(peers)["text"]
+    assert len(ours) == iters  # one micro-batch per iteration at this global batch
+    peers = batches(argv, num_workers=0)
+    for a in ours:
+        b = next(peers)["text"]
         assert a.shape == (mb, shape["seq_length"] + 1)
         assert torch.equal(a, b)
-        seen.append(a)
     # real text: many distinct tokens, and not the same sample over and over
-    assert len(torch.unique(torch.cat(seen))) > 100
-    assert not torch.equal(seen[0], seen[1])
+    assert len(torch.unique(torch.cat(ours))) > 100
+    assert not torch.equal(ours[0], ours[1])
+
+
+def test_flops_per_token_is_the_trainer_formula():
+    """The MFU of the tables uses the FLOPs our trainer logs: Megatron's 72 L h^2 + 12 L h s + 6 h V per token
+    for a 4h MLP, V the padded GPT-2 vocabulary (50,257 rounded up to a multiple of 128)."""
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_throughput
+    finally:
+        sys.path.remove(BENCH)
+    s = gpu_throughput.SHAPES["124m"]
+    L, h, seq, V = s["num_layers"], s["hidden_size"], s["seq_length"], 50304
+    assert gpu_throughput.flops_per_token(s) == pytest.approx(72 * L * h * h + 12 * L * h * seq + 6 * h * V)
+    assert gpu_throughput.mfu(1e6, s, 100.0) == pytest.approx(1e6 * gpu_throughput.flops_per_token(s) / 100e12)
 
 
 def test_minimal_gpt_trains_on_the_corpus_on_cpu(corpus_prefix):
