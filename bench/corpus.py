@@ -96,45 +96,6 @@ def batches(argv: list, num_workers: int = None):
     return _build_iterators(ctx, pretrain_gpt.datasets_provider, 0, 0, 1)["train"][0]
 
 
-
-def prepare_bert_dataset(workdir: str, vocab_file: str, lower_case: bool = True) -> str:
-    """The bundled corpus split into sentences and tokenised with the WordPiece ``vocab_file``
-    (``tools/preprocess_data.py --split-sentences``); returns the ``_text_sentence`` prefix."""
-    prefix = os.path.join(workdir, "bench_bert_text_sentence")
-    if os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"):
-        return prefix
-    src = os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz")
-    jsonl = os.path.join(workdir, "corpus.jsonl")
-    with gzip.open(src, "rb") as fin, open(jsonl, "wb") as fout:
-        shutil.copyfileobj(fin, fout)
-    tokenizer = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl,
-           "--output-prefix", os.path.join(workdir, "bench_bert"), "--tokenizer-type", tokenizer,
-           "--vocab-file", vocab_file, "--split-sentences", "--workers", "2"]
-    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    if not os.path.exists(prefix + ".bin"):
-        raise RuntimeError(f"tools/preprocess_data.py did not write {prefix}.bin")
-    return prefix
-
-
-def bert_batches(data_prefix: str, vocab_file: str, seq_length: int, micro_batch_size: int, iterations: int,
-                 num_workers: int = NUM_WORKERS, lower_case: bool = True):
-    """An iterator of BERT micro-batches (``text``, ``types``, ``labels``, ``is_random``, ``loss_mask``,
-    ``padding_mask``, ...): those ``pretrain_bert.py`` reads in its first ``iterations`` iterations at
-    data-parallel size 1 with the benchmark's ``--split``, ``--seed``, ``--num-workers`` and the default masking."""
-    from megatron.core.datasets import BertDatasetConfig, WordPieceVocab, build_bert_datasets
-    from megatron.core.datasets.samplers import build_pretraining_data_loader
-    from megatron.core.tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer("BertWordPieceLowerCase" if lower_case else "BertWordPieceCase", vocab_file=vocab_file)
-    config = BertDatasetConfig(seq_length=seq_length, seed=SEED,
-                               vocab=WordPieceVocab.from_tokenizer(tokenizer, f"--vocab-file {vocab_file}"))
-    train, _, _ = build_bert_datasets([data_prefix], SPLIT, config, (iterations * micro_batch_size, 0, 0))
-    loader = build_pretraining_data_loader(train, 0, micro_batch_size, 0, 1, num_workers=num_workers)
-    return iter(loader)
-
-
 def prepare_bert_dataset(workdir: str, vocab_file: str, lower_case: bool = True) -> str:
     """The bundled corpus split into sentences and tokenised with the WordPiece ``vocab_file``
     (``tools/preprocess_data.py --split-sentences``); returns the ``_text_sentence`` prefix."""
