@@ -58,3 +58,16 @@ def test_dry_run_checks_the_flags_first():
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "3" in lines[0], proc.stderr
     assert proc.stdout.strip() == ""
+
+
+def test_an_entry_point_without_a_dry_run_refuses_it_instead_of_training():
+    import pytest
+
+    from megatron.training.flag_table import ConfigError
+    from megatron.training.training import pretrain
+
+    def never(*_):
+        raise AssertionError("nothing may be built")
+
+    with pytest.raises(ConfigError, match="--dry-run"):
+        pretrain(never, never, never, argv=GPT_1B3 + ["--mock-data", "--dry-run", "1"])
