@@ -49,3 +49,25 @@ def test_trained_checkpoint_matches_hf(trained):
     assert abs(got["avg loss"] - want["avg loss"]) < 1e-4
     got = run(parse_args(["--load", trained, "--task", "LAMBADA", "--valid-data", LAMBADA, "--strict-lambada"]))
     assert got["number correct"] == reference_lambada(hf, tok, LAMBADA, True, seq=seq)[0]
+
+
+def test_trained_checkpoint_converts_to_tp1(trained, tmp_path, capsys):
+    """The converter reads the trainer's stored arguments (the typed configuration's, no padded vocabulary) and
+    writes a TP=1 checkpoint holding the same real-vocabulary weights the inference loader re-splits."""
+    from tests.unit.checkpoint.test_convert import _run
+
+    out = str(tmp_path / "tp1")
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "ours", "--saver", "ours", "--load-dir", trained,
+                      "--save-dir", out, "--target-tensor-parallel-size", "1")
+    assert rc == 0, err
+    direct, converted = load_gpt_for_inference(trained), load_gpt_for_inference(out)
+    assert converted.args["tensor_model_parallel_size"] == 1
+    want, got = direct.model.state_dict(), converted.model.state_dict()
+    assert sorted(want) == sorted(got)
+    vocab = build_tokenizer(direct.args["tokenizer_type"], vocab_file=direct.args["vocab_file"],
+                            merge_file=direct.args["merge_file"]).vocab_size
+    for name in want:
+        if name == "embedding.word_embeddings.weight":  # the padding rows differ with the TP size
+            assert torch.equal(got[name][:vocab], want[name][:vocab])
+        else:
+            assert torch.equal(got[name], want[name]), name
