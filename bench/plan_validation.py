@@ -68,34 +68,35 @@ CONFIGS = [
 SMOKE = [("gpt_tiny_smoke", "pretrain_gpt.py", 1, "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
           "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4")]
 
-# measurements recorded earlier (file, config, GPUs, flags, ms/iter, peak GiB)
+# measurements recorded earlier (file under bench/, config, GPUs, flags, ms/iter, peak GiB); the runs of
+# earlier source versions are kept in bench/experiments/results
 RECORDS = [
-    ("gpu_throughput_recompute_none.md", "gpt1.3b_mb8_none", 1, f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8",
+    ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_none", 1, f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8",
      252.8, 47.9),
-    ("gpu_throughput_recompute_sel_both.md", "gpt1.3b_mb8_selective", 1,
+    ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_selective", 1,
      f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 --recompute-granularity selective", 262.9, 41.9),
-    ("gpu_throughput_recompute_sel_mlp_act.md", "gpt1.3b_mb8_sel_mlp_act", 1,
+    ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_sel_mlp_act", 1,
      f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 --recompute-granularity selective "
      "--recompute-modules mlp_act", 256.6, 41.9),
-    ("gpu_throughput_recompute_full_uniform_1.md", "gpt1.3b_mb8_full_uniform", 1,
+    ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_full_uniform", 1,
      f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 --recompute-granularity full --recompute-method uniform "
      "--recompute-num-layers 1", 325.1, 25.4),
-    ("gpu_throughput_recompute_full_block_12.md", "gpt1.3b_mb8_full_block12", 1,
+    ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_full_block12", 1,
      f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 --recompute-granularity full --recompute-method block "
      "--recompute-num-layers 12", 288.2, 36.6),
-    ("gpu_throughput_final_check.md", "gpt1.3b_mb8_sel12", 1,
+    ("experiments/results/gpu_throughput_final_check.md", "gpt1.3b_mb8_sel12", 1,
      f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 {SEL_12}", 266.0, 44.9),
-    ("gpu_throughput_fp8_sweep.md", "gpt1.3b_mb8_sel12_fp8", 1,
+    ("experiments/results/gpu_throughput_fp8_sweep.md", "gpt1.3b_mb8_sel12_fp8", 1,
      f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 {SEL_12} --fp8-format hybrid", 224.0, 45.2),
-    ("multi_gpu.md", "gpt1.3b_dp2_distopt", 2, f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 16 {SEL_12} "
+    ("results/multi_gpu.md", "gpt1.3b_dp2_distopt", 2, f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 16 {SEL_12} "
      "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather", 265.3, 37.5),
-    ("multi_gpu.md", "gpt1.3b_tp2_sp", 2, f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 "
+    ("results/multi_gpu.md", "gpt1.3b_tp2_sp", 2, f"{GPT_1B3} --micro-batch-size 8 --global-batch-size 8 "
      "--tensor-model-parallel-size 2 --sequence-parallel", 164.5, 27.1),
-    ("gpu_throughput_fp8_sweep.md", "gpt124m_mb16_none_cuda_graph", 1,
+    ("experiments/results/gpu_throughput_fp8_sweep.md", "gpt124m_mb16_none_cuda_graph", 1,
      f"{GPT_124M} --micro-batch-size 16 --global-batch-size 16 --enable-cuda-graph", 34.5, 8.3),
-    ("gpu_throughput_fp8_sweep.md", "gpt124m_mb16_none_fp8_cuda_graph", 1,
+    ("experiments/results/gpu_throughput_fp8_sweep.md", "gpt124m_mb16_none_fp8_cuda_graph", 1,
      f"{GPT_124M} --micro-batch-size 16 --global-batch-size 16 --fp8-format hybrid --enable-cuda-graph", 33.4, 7.7),
-    ("multi_gpu.md", "gpt1.3b_pp2", 2, f"{GPT_1B3} --micro-batch-size 4 --global-batch-size 32 "
+    ("results/multi_gpu.md", "gpt1.3b_pp2", 2, f"{GPT_1B3} --micro-batch-size 4 --global-batch-size 32 "
      "--pipeline-model-parallel-size 2", 584.9, 24.2),
 ]
 
@@ -124,7 +125,7 @@ def from_records(calibration: dict) -> list:
     for source, config, gpus, flags, ms, gib in RECORDS:
         cmd = f"pretrain_gpt.py {flags} {COMMON}" + (f" (torchrun --nproc_per_node {gpus})" if gpus > 1 else "")
         rows.append(make_row(config, cmd, predicted(f"{flags} {COMMON}", gpus, calibration), ms, gib,
-                             f"bench/results/{source}"))
+                             f"bench/{source}"))
     return rows
 
 
@@ -227,7 +228,7 @@ def markdown(rows: list, title: str, calibration: dict, command: str) -> str:
     ok_time = sum(1 for r in rows if r.get("time_within_15pct"))
     out = [f"# {title}", "", f"Command: `{command}`; calibration `{os.path.relpath(calibration['_path'], ROOT)}`.",
            f"Memory within +-10%: {ok_mem}/{len(rows)}; time within +-15%: {ok_time}/{len(rows)}.", ""]
-    if any(r["source"].startswith("bench/results/") for r in rows):
+    if any(r["source"].startswith(("bench/results/", "bench/experiments/")) for r in rows):
         out += ["In-sample: the calibration's fitted entries (overheads, element-wise and intra-node collective rates) "
                 "were chosen on these recorded runs, so this table shows the model's fit, not its accuracy on new "
                 "configurations; `--run` measures fresh configurations for that.", ""]

@@ -100,6 +100,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=int, default=None, help="samples to train (instead of --train-iters)")
     g.add_argument("--eval-interval", type=int, default=1000, help="evaluate on the validation split every N its")
     g.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation (0: no evaluation)")
+    g.add_argument("--dry-run", nargs="?", type=int, const=0, default=None, metavar="NUM_GPUS",
+                   help="pretrain_gpt.py: check the flags, print the planner's memory and time prediction on "
+                        "NUM_GPUS GPUs (default: the launcher's world size) and exit 0, touching no GPU")
     g.add_argument("--skip-train", action="store_true", help="only evaluate (after loading --load)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit at iterations divisible by N")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after N minutes")

@@ -47,7 +47,24 @@ def read_our_checkpoint(root: str, load_optim: bool = True, load_rng: bool = Tru
              "fp8_delayed_scaling": first.get("fp8_delayed_scaling")}
     sched = first.get("opt_param_scheduler") if load_optim else None
     return LoadedCheckpoint(models, optimizers or None, sched, rngs or None, int(first.get("iteration", iteration)),
-                            int(first.get("consumed_train_samples", 0)), dict(first["args"]), extra)
+                            int(first.get("consumed_train_samples", 0)), with_derived_sizes(first["args"], models),
+                            extra)
+
+
+def with_derived_sizes(args: Dict[str, Any], models) -> Dict[str, Any]:
+    """The saved arguments, completed with what the trainer's typed configuration does not store: the padded
+    vocabulary (the word embedding's rows times the TP size) and ``layernorm_epsilon`` (stored as
+    ``norm_epsilon``). Arguments of older checkpoints, which hold both, are returned unchanged."""
+    out = dict(args)
+    if out.get("layernorm_epsilon") is None and out.get("norm_epsilon") is not None:
+        out["layernorm_epsilon"] = out["norm_epsilon"]
+    if out.get("padded_vocab_size") is None:
+        tp = 1 + max(t for t, _ in models)
+        rows = [tensor.shape[0] for (t, _), chunks in models.items() if t == 0 for chunk in chunks
+                for name, tensor in chunk.items() if name.endswith("word_embeddings.weight")]
+        if rows:
+            out["padded_vocab_size"] = rows[0] * tp
+    return out
 
 
 def our_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int) -> Dict[str, Any]:

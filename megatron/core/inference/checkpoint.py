@@ -114,6 +114,15 @@ def _join_stages(it_dir: str, args: dict, tp_rank: int) -> Dict[str, torch.Tenso
     return merged
 
 
+def _first_set(args: dict, *keys: str, default):
+    """The value of the first key that is set: older checkpoints store ``layernorm_epsilon``, the typed
+    configuration ``norm_epsilon`` (and, for now, both)."""
+    for key in keys:
+        if args.get(key) is not None:
+            return args[key]
+    return default
+
+
 def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
                      attention_backend: str = "sdpa") -> TransformerConfig:
     """An inference configuration (no dropout, no recomputation, no sequence parallelism) from stored args."""
@@ -128,7 +137,7 @@ def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
         num_attention_heads=int(args["num_attention_heads"]), ffn_hidden_size=args.get("ffn_hidden_size"),
         seq_length=int(args["seq_length"]), max_position_embeddings=args.get("max_position_embeddings"),
         padded_vocab_size=int(args["padded_vocab_size"]), attention_dropout=0.0, hidden_dropout=0.0,
-        layernorm_epsilon=float(args.get("layernorm_epsilon", 1e-5)),
+        layernorm_epsilon=float(_first_set(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
         layernorm_zero_centered_gamma=bool(args.get("apply_layernorm_1p", False)), params_dtype=dtype,
         share_embeddings_and_output_weights=not args.get("untie_embeddings_and_output_weights", False),
         attention_backend=attention_backend, gradient_accumulation_fusion=False,

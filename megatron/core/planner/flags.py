@@ -149,3 +149,45 @@ def inputs_from_argv(argv: List[str], num_gpus: int, gpu_memory_gb: float = 141.
         args.model = "bert"
     cluster = Cluster(num_gpus=num_gpus, gpu_memory_gb=gpu_memory_gb, gpus_per_node=gpus_per_node, gpu_kind=gpu_kind)
     return model_shape(args), layout_from_args(args, num_gpus), cluster, args.global_batch_size
+
+
+def planner_argv(trainer: argparse.Namespace, vocab_size: Optional[int] = None) -> List[str]:
+    """The planner's flags for a validated trainer namespace (the trainer's attribute names, after validation:
+    older spellings rewritten, ``--recompute-activations`` resolved, the attention backend a kernel name)."""
+    t = trainer
+    argv: List[str] = []
+
+    def add(flag: str, value) -> None:
+        if value is not None:
+            argv.extend([flag, str(value)])
+
+    for flag, name in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                       ("--ffn-hidden-size", "ffn_hidden_size"), ("--num-attention-heads", "num_attention_heads"),
+                       ("--seq-length", "seq_length"), ("--max-position-embeddings", "max_position_embeddings"),
+                       ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by"),
+                       ("--attention-dropout", "attention_dropout"), ("--hidden-dropout", "hidden_dropout"),
+                       ("--global-batch-size", "global_batch_size"), ("--micro-batch-size", "micro_batch_size"),
+                       ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                       ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+                       ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size"),
+                       ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+                       ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+                       ("--recompute-granularity", "recompute_granularity"),
+                       ("--recompute-method", "recompute_method"),
+                       ("--recompute-num-layers", "recompute_num_layers"), ("--fp8-format", "fp8_format"),
+                       ("--ddp-bucket-size", "ddp_bucket_size"), ("--optimizer", "optimizer"),
+                       ("--attention-backend", "attention_backend"),
+                       ("--position-embedding-type", "position_embedding_type")):
+        add(flag, getattr(t, name, None))
+    add("--vocab-size", vocab_size)
+    if getattr(t, "recompute_modules", None):
+        argv += ["--recompute-modules", *t.recompute_modules]
+    for flag, name in (("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights"),
+                       ("--sequence-parallel", "sequence_parallel"),
+                       ("--use-distributed-optimizer", "use_distributed_optimizer"), ("--bf16", "bf16"),
+                       ("--fp16", "fp16"), ("--overlap-grad-reduce", "overlap_grad_reduce"),
+                       ("--overlap-param-gather", "overlap_param_gather"),
+                       ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion")):
+        if getattr(t, name, False):
+            argv.append(flag)
+    return argv

@@ -1,5 +1,6 @@
 """tools/checkpoint/convert.py end to end on the Megatron-Core fixture."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -133,3 +134,27 @@ def test_refuses_unknown_model_type_and_flags(tmp_path, capsys):
         _convert_module().main(["--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir",
                                 FIXTURE, "--save-dir", str(tmp_path / "o"), "--target-expert-parallel-size", "2"])
     assert "--target-expert-parallel-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_our_checkpoint_args_of_either_trainer_version_give_the_model_sizes(tmp_path, typed):
+    """The trainer's typed configuration stores ``norm_epsilon`` and no padded vocabulary; older checkpoints of
+    this project store ``layernorm_epsilon`` and ``padded_vocab_size``. Both read as the same sizes."""
+    from megatron.core.checkpoint_formats import dims_from_args, split_tp_pp, write_our_checkpoint
+    from tests.unit.checkpoint.helpers import random_full, tiny_dims
+
+    dims = tiny_dims(vocab=100, divisible_by=8)
+    dims = dataclasses.replace(dims, padded_vocab_size=112, layernorm_epsilon=1e-3)  # 2 shards of 56 rows
+    write_our_checkpoint(str(tmp_path), split_tp_pp(random_full(dims), dims, 2, 1), dims, {}, iteration=3)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        file = tmp_path / "iter_0000003" / rank / "model_optim_rng.pt"
+        state = torch.load(file, weights_only=True)
+        if typed:  # rewrite the stored arguments as the typed configuration's plain dict holds them
+            args = state["args"]
+            args["norm_epsilon"] = args.pop("layernorm_epsilon")
+            del args["padded_vocab_size"]
+        torch.save(state, file)
+    loaded = read_our_checkpoint(str(tmp_path))
+    got = dims_from_args(loaded.args_dict, vocab_size=100)
+    assert (got.padded_vocab_size, got.layernorm_epsilon, got.padded_for(2)) == (112, 1e-3, 112)
+    assert loaded.args_dict["tensor_model_parallel_size"] == 2

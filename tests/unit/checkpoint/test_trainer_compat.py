@@ -2,7 +2,6 @@
 optimizer, TP=1) is resharded to TP=2 by tools/checkpoint/convert.py and resumed by the trainer's load_checkpoint;
 the next step's loss and weights equal those of the uninterrupted TP=1 run."""
 
-import argparse
 from dataclasses import asdict
 
 import torch
@@ -12,6 +11,7 @@ from megatron.core.distributed import DDPConfig, DistributedDataParallel, finali
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpointing
+from megatron.training.arguments import parse_config
 from megatron.training.scheduler import OptimizerParamScheduler
 from tests.dist_utils import run_distributed
 from tests.unit.checkpoint.helpers import build_stage, random_full, tiny_dims
@@ -41,15 +41,20 @@ def _step(model, ddp, opt, sched, pstate, batch):
 
 
 def _args(dims, tp, save=None, load=None):
+    """The trainer's own configuration for this model: its checkpoint section and the arguments it stores (the
+    typed configuration's plain dict, which holds no padded vocabulary: the converter derives it)."""
+    argv = ["--mock-data", "--lr", "1e-2", "--num-layers", str(dims.num_layers), "--hidden-size",
+            str(dims.hidden_size), "--num-attention-heads", str(dims.num_attention_heads), "--ffn-hidden-size",
+            str(dims.ffn_hidden_size), "--seq-length", str(dims.seq_length), "--max-position-embeddings",
+            str(dims.max_position_embeddings), "--make-vocab-size-divisible-by",
+            str(dims.make_vocab_size_divisible_by), "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "10", "--tensor-model-parallel-size", str(tp)]
+    argv += ["--save", save] if save else []
     # a resharded checkpoint has no RNG state (it belongs to the source ranks): resume with --no-load-rng
-    return argparse.Namespace(save=save, load=load, no_save_optim=False, no_save_rng=False, finetune=False,
-                              no_load_optim=False, no_load_rng=load is not None), {
-        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "num_layers": dims.num_layers,
-        "hidden_size": dims.hidden_size, "num_attention_heads": dims.num_attention_heads,
-        "ffn_hidden_size": dims.ffn_hidden_size, "max_position_embeddings": dims.max_position_embeddings,
-        "seq_length": dims.seq_length, "padded_vocab_size": dims.padded_for(tp),
-        "make_vocab_size_divisible_by": dims.make_vocab_size_divisible_by, "params_dtype": "float32",
-        "global_batch_size": 2}
+    argv += ["--load", load, "--no-load-rng"] if load else []
+    cfg, _ = parse_config(argv, world_size=tp)
+    plain = cfg.to_plain_dict()
+    return cfg.checkpointing, plain
 
 
 def _save_body(rank, world, dims_dict, full, batch, save_dir, out):

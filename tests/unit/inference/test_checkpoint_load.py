@@ -24,6 +24,31 @@ def test_any_saved_layout_loads_as_the_whole_model(tmp_path, tp, pp):
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.parametrize("legacy_alias", [True, False])
+def test_arguments_of_the_typed_configuration_load(tmp_path, legacy_alias):
+    """The trainer stores its typed configuration's plain dict: ``norm_epsilon`` (with, for now, the older name
+    ``layernorm_epsilon``) and no padded vocabulary, which the loader takes from the word embedding's shards."""
+    from megatron.training.arguments import parse_config
+
+    args = tiny_args(tensor_model_parallel_size=2, layernorm_epsilon=1e-3)
+    cfg, _ = parse_config(["--mock-data", "--lr", "1e-3", "--num-layers", "2", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--seq-length", "48", "--max-position-embeddings", "48",
+                           "--norm-epsilon", "1e-3", "--micro-batch-size", "1", "--global-batch-size", "1",
+                           "--train-iters", "1", "--tensor-model-parallel-size", "2"], world_size=2)
+    stored = cfg.to_plain_dict()
+    stored.pop("padded_vocab_size", None)
+    if not legacy_alias:
+        del stored["layernorm_epsilon"]
+    write_checkpoint(str(tmp_path), args, stored=stored)
+    loaded = load_gpt_for_inference(str(tmp_path))
+    assert loaded.model.config.padded_vocab_size == 128 and loaded.model.config.layernorm_epsilon == 1e-3
+    want = tiny_model(args).state_dict()
+    got = loaded.model.state_dict()
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def test_untied_output_layer_and_dtype_override(tmp_path):
     args = tiny_args(untie_embeddings_and_output_weights=True, pipeline_model_parallel_size=2)
     write_checkpoint(str(tmp_path), args)

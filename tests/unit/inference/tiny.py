@@ -53,9 +53,10 @@ def tiny_model(args: dict, pstate: Optional[ParallelState] = None) -> GPTModel:
     return model.eval()
 
 
-def write_checkpoint(root: str, args: dict, iteration: int = 5) -> None:
+def write_checkpoint(root: str, args: dict, iteration: int = 5, stored: Optional[dict] = None) -> None:
     """Write every rank's file of a TP x PP checkpoint from one process (no process group is needed to build
-    the shards: each is the layout-independent initialisation sliced for its rank)."""
+    the shards: each is the layout-independent initialisation sliced for its rank). ``stored``: the arguments
+    written into the files (default ``args``)."""
     tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
     cfg = tiny_config(args)
     for p in reversed(range(pp)):  # rank (0, 0) last: it writes the tracker file
@@ -66,7 +67,8 @@ def write_checkpoint(root: str, args: dict, iteration: int = 5) -> None:
             chunk = GPTModel(cfg, ps, pre_process=p == 0, post_process=p == pp - 1, num_layers=count,
                              layer_offset=offset)
             initialize_model_parameters(chunk, args["seed"], cfg, ps, layer_offset=offset)
-            save_gpt_checkpoint(root, iteration, [chunk], args, tp_rank=t, pp_rank=p)
+            save_gpt_checkpoint(root, iteration, [chunk], args if stored is None else stored, tp_rank=t,
+                                pp_rank=p)
 
 
 def random_prompts(lengths, vocab: int = 128, seed: int = 0):

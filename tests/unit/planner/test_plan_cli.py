@@ -53,9 +53,8 @@ def test_json_predictions_are_consistent(capsys):
         assert lay["tp"] * lay["pp"] * lay["dp"] == 8
         assert p["tokens_per_s"] == pytest.approx(512 * 2048 / (p["ms_per_iter"] / 1e3))
         # MFU: the trainer's own model-FLOP count per iteration / time / GPUs / the stated peak
-        args = argparse.Namespace(hidden_size=2048, num_layers=24, seq_length=2048, ffn_hidden_size=8192,
-                                  padded_vocab_size=50304)
-        flops = num_floating_point_operations(args, 512)
+        model = argparse.Namespace(hidden_size=2048, num_layers=24, seq_length=2048, ffn_hidden_size=8192)
+        flops = num_floating_point_operations(model, 50304, 512)
         assert p["mfu"] == pytest.approx(flops / (p["ms_per_iter"] / 1e3) / 8 / (p["mfu_peak_tflops"] * 1e12))
 
 
