@@ -11,6 +11,7 @@ arguments); every other flag is the trainer's. The iteration line reports ``lm l
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
@@ -20,6 +21,7 @@ from megatron.core.models.bert import BertModel, initialize_bert_parameters
 from megatron.core.models.bert_loss import bert_loss_func, get_bert_batch
 from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training.config import ExtraSection, TrainingContext, transformer_config
+from megatron.training.dry_run import print_dry_run, wants_dry_run
 from megatron.training.flag_table import ConfigError
 from megatron.training.training import main_entry, pretrain, print_rank_0, rank_0_first
 
@@ -145,6 +147,9 @@ def datasets_provider(ctx: TrainingContext, num_samples):
 
 def main(argv: Optional[List[str]] = None, datasets=None):
     """Run pretraining; ``datasets(ctx, num_samples)`` may replace the ``--data-path`` datasets (tests)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if wants_dry_run(args):
+        return print_dry_run(args, model="bert", extra_sections=[BERT])
     return pretrain(model_provider, forward_step, datasets or datasets_provider, argv=argv, extra_sections=[BERT])
 
 

@@ -4,8 +4,6 @@
     python pretrain_gpt.py ... --dry-run 64      # the planner's prediction for 64 GPUs; nothing is trained
 """
 
-import argparse
-import os
 import sys
 from functools import partial
 
@@ -16,6 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.init import initialize_model_parameters
 from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training.config import TrainingContext, transformer_config
+from megatron.training.dry_run import print_dry_run, wants_dry_run
 from megatron.training.training import main_entry, pretrain, print_rank_0, rank_0_first
 
 
@@ -93,39 +92,10 @@ def datasets_provider(ctx: TrainingContext, num_samples):
     return rank_0_first(build)
 
 
-def dry_run_report(argv) -> str:
-    """``--dry-run [NUM_GPUS]``: the flags validated as a run on NUM_GPUS GPUs (default: the launcher's world
-    size), then the planner's memory and time prediction. No process group, GPU or data file is touched."""
-    from megatron.core.planner import dry_run
-    from megatron.core.planner.flags import planner_argv
-    from megatron.core.tokenizer import build_tokenizer
-    from megatron.training.arguments import parse_namespace, world_size_from_env
-    from megatron.training.flag_table import ConfigError
-
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--dry-run", nargs="?", type=int, const=0, default=None)
-    num_gpus = pre.parse_known_args(argv)[0].dry_run or world_size_from_env()
-    if num_gpus < 1:
-        raise ConfigError(f"--dry-run {num_gpus}: the number of GPUs must be >= 1")
-    ns, notes = parse_namespace(argv, world_size=num_gpus)
-    vocab = None
-    if ns.vocab_file or ns.tokenizer_model:  # the vocabulary the run would pad (else the planner's GPT-2 size)
-        try:
-            vocab = build_tokenizer(ns.tokenizer_type, vocab_file=ns.vocab_file, merge_file=ns.merge_file,
-                                    tokenizer_model=ns.tokenizer_model).vocab_size
-        except (ValueError, OSError) as exc:
-            raise ConfigError(f"--tokenizer-type {ns.tokenizer_type}: {exc}") from None
-    text, _ = dry_run(planner_argv(ns, vocab_size=vocab), num_gpus=num_gpus, model="gpt")
-    return "\n".join(notes + [text])
-
-
 def main(argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
-    if any(a == "--dry-run" or a.startswith("--dry-run=") for a in args):
-        report = dry_run_report(args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(report, flush=True)
-        return None
+    if wants_dry_run(args):
+        return print_dry_run(args, model="gpt")
     return pretrain(model_provider, forward_step, datasets_provider, argv=argv)
 
 

@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import checkpointing
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
+from megatron.training.dry_run import wants_dry_run
 from megatron.training.flag_table import ConfigError, SharedError
 from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
                                        num_floating_point_operations)
@@ -414,8 +415,9 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
     """
     start_time = time.time()
     cfg, notes = parse_config(argv, world_size=world_size_from_env(), extra_sections=extra_sections)
-    if any(a == "--dry-run" or a.startswith("--dry-run=") for a in (sys.argv[1:] if argv is None else argv)):
-        raise ConfigError("--dry-run is answered by pretrain_gpt.py before training; this entry point has none")
+    if wants_dry_run(sys.argv[1:] if argv is None else argv):
+        raise ConfigError("--dry-run is answered by an entry point before training (pretrain_gpt.py, "
+                          "pretrain_bert.py); this one has none")
     if _env_rank() == 0:
         for note in notes:
             print(note, flush=True)

@@ -1,4 +1,4 @@
-"""pretrain_gpt.py --dry-run: the flags are validated as a run on N GPUs and the planner's prediction is printed,
+"""pretrain_gpt.py / pretrain_bert.py --dry-run: the flags are validated as a run on N GPUs and the planner's prediction is printed,
 exit status 0, before any process group, dataset, checkpoint or TensorBoard file exists."""
 
 import os
@@ -71,3 +71,23 @@ def test_an_entry_point_without_a_dry_run_refuses_it_instead_of_training():
 
     with pytest.raises(ConfigError, match="--dry-run"):
         pretrain(never, never, never, argv=GPT_1B3 + ["--mock-data", "--dry-run", "1"])
+
+
+def test_bert_dry_run_predicts_the_bert_model(tmp_path):
+    from megatron.core.tokenizer import build_tokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(995)]) + "\n")
+    size = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(vocab)).vocab_size
+    bert_large = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "512",
+                  "--max-position-embeddings", "512", "--micro-batch-size", "4", "--global-batch-size", "32",
+                  "--train-iters", "100", "--lr", "1e-4", "--bf16", "--tokenizer-type", "BertWordPieceLowerCase",
+                  "--vocab-file", str(vocab), "--mask-prob", "0.15"]
+    proc = run_pretrain(bert_large + ["--data-path", str(tmp_path / "no_such_prefix"), "--dry-run", "8"],
+                        script="pretrain_bert.py", timeout=300)
+    want, fits = dry_run(["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+                          "--seq-length", "512", "--micro-batch-size", "4", "--global-batch-size", "32", "--bf16",
+                          "--vocab-size", str(size)], num_gpus=8, model="bert")
+    assert fits and "on 8 x h200" in proc.stdout
+    assert proc.stdout.strip() == want.strip()
+    assert proc.stderr.strip() == ""
