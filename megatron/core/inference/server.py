@@ -140,17 +140,21 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._read_json()
             self._send(200, getattr(self.service, routes[(method, path)])(body))
         except RequestError as exc:
-            self._error(exc.status, str(exc))
+            self._error_if_connected(exc.status, str(exc))
         except ValueError as exc:  # the engine's own checks
-            self._error(400, str(exc))
+            self._error_if_connected(400, str(exc))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
         except Exception as exc:  # keep serving; report the failure to the client and the log
             self.service.log(f"internal error: {traceback.format_exc()}")
-            try:
-                self._error(500, f"internal error: {type(exc).__name__}: {exc}")
-            except OSError:
-                pass
+            self._error_if_connected(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _error_if_connected(self, status: int, message: str) -> None:
+        """Answer with an error, unless the client has already gone (a truncated body, a closed socket)."""
+        try:
+            self._error(status, message)
+        except OSError:
+            self.close_connection = True
 
     def do_GET(self):
         self._dispatch("GET")
