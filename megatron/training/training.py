@@ -19,10 +19,13 @@ from megatron.core.fusions.fp8 import delayed_scaling_step
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.training import checkpoint_folder as cfold
+from megatron.training import checkpoint_io as cio
 from megatron.training import checkpointing
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
 from megatron.training.flag_table import SharedError
+from megatron.training.run_lock import RunLockError, acquire_for_job
 from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
                                        num_floating_point_operations)
 from megatron.training.scheduler import OptimizerParamScheduler
@@ -404,6 +407,23 @@ def build_context(cfg: RunConfig, pstate: ParallelState) -> TrainingContext:
                            eod_id=tokenizer.eod)
 
 
+def _check_checkpoint_folders(ck):
+    """Start-up checks of --load and --save, before any model is built: a --load folder that does not exist is
+    an error (an existing folder without a checkpoint still means "start from scratch"); --save must be writable
+    (every rank probes: each may write on its own mount) and is locked against a second run (rank 0 holds the
+    lock until exit)."""
+    if ck.load and not os.path.isdir(ck.load):
+        raise SharedError(f"--load folder {ck.load} does not exist (to start from scratch, create it or leave "
+                          "--load out)")
+    if ck.save:
+        cfold.check_save_dir_writable(ck.save)
+        lock = acquire_for_job(ck.save)
+        if lock is not None and lock.note:
+            print_rank_0(f"> {lock.note}")
+        return lock
+    return None
+
+
 def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_provider: Callable,
              argv: Optional[List[str]] = None, extra_sections: Sequence = ()) -> dict:
     """Run a whole pretraining job; returns a summary (used by tests).
@@ -426,6 +446,17 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
                                  timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
     print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
                  f"per step, global batch {t.global_batch_size}")
+    run_lock = _check_checkpoint_folders(cfg.checkpointing)
+    try:
+        return _train(cfg, pstate, model_provider, forward_step_func, datasets_provider, start_time)
+    finally:
+        if run_lock is not None:  # an in-process caller may start another run on the same --save
+            run_lock.release()
+
+
+def _train(cfg: RunConfig, pstate: ParallelState, model_provider: Callable, forward_step_func: Callable,
+           datasets_provider: Callable, start_time: float) -> dict:
+    par, t = cfg.parallel, cfg.training
     # Megatron offsets the seed per pipeline stage so different stages draw independent dropout masks.
     tensor_parallel.model_parallel_seed(t.seed + 100 * pstate.pp_rank, pstate)
     ctx = build_context(cfg, pstate)
@@ -502,7 +533,7 @@ def main_entry(run: Callable[[], object]) -> None:
         else:
             time.sleep(3.0)
         _exit(2)
-    except (ValueError, checkpointing.CheckpointError) as exc:
+    except (ValueError, cio.CheckpointIOError, RunLockError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         _exit(2)
     except RuntimeError as exc:
