@@ -27,7 +27,7 @@ from megatron.training.config import ParallelConfig, RunConfig, TrainingContext,
 from megatron.training.flag_table import SharedError
 from megatron.training.run_lock import RunLockError, acquire_for_job
 from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
-                                       num_floating_point_operations)
+                                       num_floating_point_operations, perplexity)
 from megatron.training.scheduler import OptimizerParamScheduler
 
 
@@ -242,7 +242,7 @@ class Trainer:
             name = "lm loss validation" if split == "valid" else "lm loss test"
             if "lm loss" in totals:
                 self.tb.scalars(self.iteration, {name: totals["lm loss"],
-                                                 name + " ppl": math.exp(min(20.0, totals["lm loss"]))})
+                                                 name + " ppl": perplexity(totals["lm loss"])})
         return totals
 
     # ---- the loop ---------------------------------------------------------------------------------------

@@ -109,3 +109,13 @@ def test_token_ids_beyond_the_vocabulary_and_sentence_data(tmp_path):
     prefix = _dataset(str(tmp_path / "corpus_text_sentence"), sentences, sentences=True)
     proc = run_pretrain(gpt_args(prefix, train_iters=2))
     assert "is sentence-level data: 400 sequences in 200 documents" in proc.stdout + proc.stderr
+
+
+def test_evaluation_of_a_non_finite_loss_prints_nan_not_a_perplexity():
+    from megatron.training.logging import format_eval_line, perplexity
+
+    line = format_eval_line("validation loss at iteration 4", {"lm loss": float("nan")})
+    assert line == " validation loss at iteration 4 | lm loss value: nan | lm loss PPL: nan |"
+    line = format_eval_line("test loss at iteration 4", {"lm loss": float("inf")})
+    assert line == " test loss at iteration 4 | lm loss value: inf | lm loss PPL: inf |"
+    assert perplexity(30.0) == perplexity(20.0) > 4.8e8  # finite losses keep Megatron's cap at exp(20)
