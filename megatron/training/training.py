@@ -374,8 +374,16 @@ def _build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: in
     if num_samples[0] > 0 and train_ds is None:
         raise SharedError(f"--split {ctx.config.data.split} leaves no training data, but {t.train_iters} training "
                           "iterations were asked for; give the train split a share")
+    # Whether a split exists is one decision for the whole job: a rank that skips an evaluation its peers run
+    # would leave them waiting in the evaluation's collectives (e.g. an empty test split of --split 98,2,0).
+    exists = torch.tensor([ds is not None for ds in (train_ds, valid_ds, test_ds)], dtype=torch.int32)
+    if dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        exists = exists.to(device)
+        dist.all_reduce(exists, op=dist.ReduceOp.MAX)
     if pstate.tp_rank != 0:
-        return {"train": [None] * chunks, "valid": [None] * chunks, "test": [None] * chunks}
+        return {split: ([None] * chunks if present else None)
+                for split, present in zip(("train", "valid", "test"), exists.tolist())}
 
     def loaders(ds, consumed):
         if ds is None:

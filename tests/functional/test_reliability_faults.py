@@ -119,3 +119,15 @@ def test_evaluation_of_a_non_finite_loss_prints_nan_not_a_perplexity():
     line = format_eval_line("test loss at iteration 4", {"lm loss": float("inf")})
     assert line == " test loss at iteration 4 | lm loss value: inf | lm loss PPL: inf |"
     assert perplexity(30.0) == perplexity(20.0) > 4.8e8  # finite losses keep Megatron's cap at exp(20)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "tensor_model_parallel_size": 2},
+                                    {"pipeline_model_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_empty_test_split_is_skipped_by_every_rank(data_prefix, layout):
+    """--split 98,2,0 leaves no test data: every rank skips the end-of-run test evaluation together (a rank that
+    entered it alone would wait for its peers until the timeout)."""
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, eval_iters=1, eval_interval=2, split="98,2,0",
+                                 distributed_timeout_minutes=1, **layout), nproc=2, timeout=240)
+    assert " validation loss at iteration 2 | lm loss value: " in proc.stdout
+    assert " test loss at iteration" not in proc.stdout
+    assert sorted(parse_iterations(proc.stdout)) == [1, 2]
