@@ -131,3 +131,11 @@ def test_empty_test_split_is_skipped_by_every_rank(data_prefix, layout):
     assert " validation loss at iteration 2 | lm loss value: " in proc.stdout
     assert " test loss at iteration" not in proc.stdout
     assert sorted(parse_iterations(proc.stdout)) == [1, 2]
+
+
+def test_keep_last_checkpoints_prunes_older_folders(data_prefix, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(gpt_args(data_prefix, train_iters=8, save_interval=2, save=str(ckpt), keep_last_checkpoints=2))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000006", "iter_0000008",
+                                                     "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "iter_0000006" / "manifest.json").exists()
