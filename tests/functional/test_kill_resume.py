@@ -121,8 +121,8 @@ def test_sigkill_at_random_points_then_resume_is_bit_exact(data_prefix, tmp_path
         run = _Run(driver, argv)
         kind = rng.choice(["start-up", "iteration", "save", "save"])
         deadline = time.time() + 120
-        if kind == "start-up":  # somewhere between launch and the first iteration
-            time.sleep(rng.uniform(0.5, 4.0))
+        if kind == "start-up":  # somewhere between launch and the first iteration (at the latest)
+            run.wait_for_iteration(lambda it: True, time.time() + rng.uniform(0.5, 4.0))
         else:
             target = start + rng.randint(1, TRAIN_ITERS - start - 1)
             if kind == "save":  # the save starts right after the line of an iteration that is a save point
