@@ -130,9 +130,11 @@ def test_sigkill_at_random_points_then_resume_is_bit_exact(data_prefix, tmp_path
             assert run.wait_for_iteration(lambda it: it >= target, deadline), "".join(run.lines)[-3000:]
             if kind == "iteration":
                 time.sleep(rng.uniform(0.0, 0.2))
-        if run.proc.poll() is not None:
+        if run.proc.poll() is not None:  # finished first (a fast machine): its iterations still count, not its kill
             out, err = run.finish()
-            raise AssertionError(f"the run ended before its kill ({run.proc.returncode}):\n{out[-2000:]}\n{err[-2000:]}")
+            assert run.proc.returncode == 0, f"{out[-2000:]}\n{err[-2000:]}"
+            seen.extend(_exact_lines(out))
+            continue
         out, _ = run.kill()
         kinds.append(kind)
         during_save += _save_in_flight(ckpt)
