@@ -76,12 +76,19 @@ def datasets_provider(ctx: TrainingContext, num_samples):
 
         print_rank_0(f"> mock GPT datasets of random tokens for {num_samples} (train, valid, test) samples")
         return mock_gpt_datasets(num_samples, seq, ctx.tokenizer.vocab_size, seed)
-    from megatron.core.datasets.builder import build_gpt_datasets
+    from megatron.core.datasets.builder import build_gpt_datasets, parse_data_path
+    from megatron.core.datasets.checks import check_token_ids, sentence_level_warning
 
     print_rank_0(f"> building GPT datasets for {num_samples} (train, valid, test) samples")
 
     def build(first: bool):
         try:
+            if first:  # once, at start-up: token ids against the embedding's rows, sentence-level data
+                for prefix in parse_data_path(d.data_path)[0]:
+                    check_token_ids(prefix, ctx.padded_vocab_size)
+                    warning = sentence_level_warning(prefix, "GPT")
+                    if warning is not None:
+                        print(f"WARNING: {warning}", flush=True)
             return build_gpt_datasets(d.data_path, d.split, seq, seed, num_samples, cache_dir=d.data_cache_path,
                                       is_rank_0=first, barrier=None if first else (lambda: None))
         except OSError as exc:

@@ -86,14 +86,14 @@ def batches(argv: list, num_workers: int = None):
 
     sys.path.insert(0, ROOT)
     import pretrain_gpt
-    from megatron.training.training import _build_iterators
+    from megatron.training.training import build_iterators
 
     ctx = trainer_context(argv)
     data = ctx.config.data
     if num_workers is not None:
         config = dataclasses.replace(ctx.config, data=dataclasses.replace(data, num_workers=num_workers))
         ctx = dataclasses.replace(ctx, config=config)
-    return _build_iterators(ctx, pretrain_gpt.datasets_provider, 0, 0, 1)["train"][0]
+    return build_iterators(ctx, pretrain_gpt.datasets_provider, 0, 0, 1)["train"][0]
 
 
 def prepare_bert_dataset(workdir: str, vocab_file: str, lower_case: bool = True) -> str:

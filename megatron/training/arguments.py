@@ -234,6 +234,10 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
         _fail("--use-checkpoint-args needs --load")
     if ns.exit_on_missing_checkpoint and ns.load is None:
         _fail("--exit-on-missing-checkpoint needs --load")
+    if ns.keep_last_checkpoints is not None and ns.keep_last_checkpoints < 1:
+        _fail(f"--keep-last-checkpoints must be >= 1, got {ns.keep_last_checkpoints}")
+    if ns.keep_last_checkpoints is not None and ns.save is None:
+        _fail("--keep-last-checkpoints needs --save")
     if ns.mock_data and ns.data_path:
         _fail("give only one of --mock-data and --data-path")
     if not ns.data_path and not ns.mock_data:

@@ -1,8 +1,9 @@
 """Megatron-layout checkpoints: ``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/mp_rank_TT[_PPP]/``.
 
-Every file is written under a temporary name and renamed; the tracker file is written last, so a crash never
-leaves a tracker pointing at a partial checkpoint. Files hold plain types only and load with
-``torch.load(weights_only=True)``.
+Every file is written under a temporary name, hashed while it is written, fsynced and renamed; once all ranks
+wrote theirs, ``iter_NNNNNNN/manifest.json`` records each file's size and SHA-256, and only then does the tracker
+move, so a crash never leaves a tracker pointing at a partial checkpoint. At load the files are checked against
+the manifest (see docs/reliability.md). Files hold plain types only and load with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
+from megatron.training import checkpoint_folder as cfold
+from megatron.training import checkpoint_io as cio
 from megatron.training.config import CheckpointConfig
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(cio.CheckpointIOError):
     pass
 
 
@@ -30,22 +33,6 @@ def checkpoint_dir(root: str, iteration: int, pstate: ParallelState, release: bo
     it = "release" if release else f"iter_{iteration:07d}"
     rank = f"mp_rank_{pstate.tp_rank:02d}" + (f"_{pstate.pp_rank:03d}" if pstate.pp_size > 1 else "")
     return os.path.join(root, it, rank)
-
-
-def _atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _barrier():
@@ -85,10 +72,23 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
         fp8_state = delayed_scaling_state()
         if fp8_state is not None:  # --fp8-recipe delayed: the amax histories, so a resume keeps the scales
             state["fp8_delayed_scaling"] = fp8_state
-        _atomic_save(state, path)
-    _barrier()
+    folder = cfold.iteration_dir(cfg.save, iteration)
     if pstate.rank == 0:
-        _atomic_write_text(os.path.join(cfg.save, TRACKER), str(iteration))
+        cio.invalidate_manifest(folder)  # a re-save of this iteration reads as incomplete until it is done
+    _barrier()
+    records, error = [], None
+    if pstate.dp_rank == 0:
+        try:
+            records.append(cio.save_torch(state, folder, os.path.relpath(path, folder)))
+        except cio.CheckpointIOError as exc:
+            error = exc
+    records = cio.gather_records(records, error)  # every rank raises the first failing writer's line
+    if pstate.rank == 0:
+        cio.write_manifest(folder, iteration, records)
+        cfold.remove_stale_temp_files(cfg.save, quiescent=True)
+        cio.write_text_durable(os.path.join(cfg.save, TRACKER), str(iteration))
+        if cfg.keep_last_checkpoints:
+            cfold.prune_checkpoints(cfg.save, cfg.keep_last_checkpoints, iteration)
     _barrier()
     return path
 
@@ -135,6 +135,15 @@ def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
         raise CheckpointError(f"--load directory {root} does not exist")
     iteration = read_tracker(root)
     path = os.path.join(checkpoint_dir(root, iteration, pstate, release=(iteration == 0)), "model_optim_rng.pt")
+    iter_folder = os.path.dirname(os.path.dirname(path))  # ROOT/iter_NNNNNNN or ROOT/release
+    mine = [os.path.relpath(path, iter_folder)] if pstate.dp_rank == 0 else []
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    chosen = cfold.choose_checkpoint(root, iteration, mine, fallback=cfg.ckpt_fallback_on_corruption,
+                                     log=(lambda m: print(f"> {m}", flush=True)) if rank0 else None,
+                                     folder=iter_folder if iteration == 0 else None)
+    if chosen != iteration:
+        iteration = chosen
+        path = os.path.join(checkpoint_dir(root, iteration, pstate), "model_optim_rng.pt")
     if not os.path.isfile(path):
         raise CheckpointError(
             f"checkpoint file {path} is missing (the tracker names iteration {iteration}); was it saved with "

@@ -146,6 +146,8 @@ class CheckpointConfig:
     finetune: bool
     use_checkpoint_args: bool
     exit_on_missing_checkpoint: bool
+    ckpt_fallback_on_corruption: bool
+    keep_last_checkpoints: Optional[int]
 
 
 @dataclass(frozen=True)

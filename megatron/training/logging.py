@@ -48,14 +48,24 @@ def format_iteration_line(
     return "".join(parts)
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(20) as Megatron does; a non-finite loss stays non-finite (nan, inf)."""
+    if not math.isfinite(loss):
+        return loss
+    return math.exp(min(20.0, loss))
+
+
+def _number(value: float) -> str:
+    return f"{value:.6E}" if math.isfinite(value) else str(value)  # nan / inf / -inf, never a made-up number
+
+
 def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
     parts = [f" {prefix} |"]
     for key, value in losses.items():
         if not key.endswith("loss"):  # an accuracy or other statistic: no perplexity
-            parts.append(f" {key} value: {value:.6E} |")
+            parts.append(f" {key} value: {_number(value)} |")
             continue
-        ppl = math.exp(min(20.0, value))
-        parts.append(f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |")
+        parts.append(f" {key} value: {_number(value)} | {key} PPL: {_number(perplexity(value))} |")
     return "".join(parts)
 
 

@@ -171,6 +171,11 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop with an error when --load holds no checkpoint (instead of starting from scratch)")
     g.add_argument("--ckpt-format", default="torch", help="checkpoint format: torch (the only format)")
+    g.add_argument("--ckpt-fallback-on-corruption", action="store_true",
+                   help="when a file of the checkpoint to load does not match its recorded sha256, load the newest "
+                        "older intact checkpoint instead of stopping")
+    g.add_argument("--keep-last-checkpoints", type=int, default=None, metavar="N",
+                   help="after each save, delete all but the newest N checkpoint folders (default: keep all)")
 
 
 def _parallel(p: argparse.ArgumentParser) -> None:

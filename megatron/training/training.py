@@ -19,13 +19,16 @@ from megatron.core.fusions.fp8 import delayed_scaling_step
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.training import checkpoint_folder as cfold
+from megatron.training import checkpoint_io as cio
 from megatron.training import checkpointing
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
 from megatron.training.dry_run import wants_dry_run
 from megatron.training.flag_table import ConfigError, SharedError
+from megatron.training.run_lock import RunLockError, acquire_for_job
 from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
-                                       num_floating_point_operations)
+                                       num_floating_point_operations, perplexity)
 from megatron.training.scheduler import OptimizerParamScheduler
 
 
@@ -240,7 +243,7 @@ class Trainer:
             name = "lm loss validation" if split == "valid" else "lm loss test"
             if "lm loss" in totals:
                 self.tb.scalars(self.iteration, {name: totals["lm loss"],
-                                                 name + " ppl": math.exp(min(20.0, totals["lm loss"]))})
+                                                 name + " ppl": perplexity(totals["lm loss"])})
         return totals
 
     # ---- the loop ---------------------------------------------------------------------------------------
@@ -359,7 +362,7 @@ class Trainer:
         return {"history": history, "train_time": total_train_time, "exited": exited, "iterations_run": n_run}
 
 
-def _build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: int, consumed_valid: int,
+def build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: int, consumed_valid: int,
                      chunks: int):
     """One iterator per model chunk for train/valid/test on ranks that read data (TP rank 0)."""
     from megatron.core.datasets.samplers import build_pretraining_data_loader
@@ -372,8 +375,16 @@ def _build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: in
     if num_samples[0] > 0 and train_ds is None:
         raise SharedError(f"--split {ctx.config.data.split} leaves no training data, but {t.train_iters} training "
                           "iterations were asked for; give the train split a share")
+    # Whether a split exists is one decision for the whole job: a rank that skips an evaluation its peers run
+    # would leave them waiting in the evaluation's collectives (e.g. an empty test split of --split 98,2,0).
+    exists = torch.tensor([ds is not None for ds in (train_ds, valid_ds, test_ds)], dtype=torch.int32)
+    if dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        exists = exists.to(device)
+        dist.all_reduce(exists, op=dist.ReduceOp.MAX)
     if pstate.tp_rank != 0:
-        return {"train": [None] * chunks, "valid": [None] * chunks, "test": [None] * chunks}
+        return {split: ([None] * chunks if present else None)
+                for split, present in zip(("train", "valid", "test"), exists.tolist())}
 
     def loaders(ds, consumed):
         if ds is None:
@@ -405,6 +416,23 @@ def build_context(cfg: RunConfig, pstate: ParallelState) -> TrainingContext:
                            eod_id=tokenizer.eod)
 
 
+def _check_checkpoint_folders(ck):
+    """Start-up checks of --load and --save, before any model is built: a --load folder that does not exist is
+    an error (an existing folder without a checkpoint still means "start from scratch"); --save must be writable
+    (every rank probes: each may write on its own mount) and is locked against a second run (rank 0 holds the
+    lock until exit)."""
+    if ck.load and not os.path.isdir(ck.load):
+        raise SharedError(f"--load folder {ck.load} does not exist (to start from scratch, create it or leave "
+                          "--load out)")
+    if ck.save:
+        cfold.check_save_dir_writable(ck.save)
+        lock = acquire_for_job(ck.save)
+        if lock is not None and lock.note:
+            print_rank_0(f"> {lock.note}")
+        return lock
+    return None
+
+
 def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_provider: Callable,
              argv: Optional[List[str]] = None, extra_sections: Sequence = ()) -> dict:
     """Run a whole pretraining job; returns a summary (used by tests).
@@ -430,6 +458,17 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
                                  timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
     print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
                  f"per step, global batch {t.global_batch_size}")
+    run_lock = _check_checkpoint_folders(cfg.checkpointing)
+    try:
+        return _train(cfg, pstate, model_provider, forward_step_func, datasets_provider, start_time)
+    finally:
+        if run_lock is not None:  # an in-process caller may start another run on the same --save
+            run_lock.release()
+
+
+def _train(cfg: RunConfig, pstate: ParallelState, model_provider: Callable, forward_step_func: Callable,
+           datasets_provider: Callable, start_time: float) -> dict:
+    par, t = cfg.parallel, cfg.training
     # Megatron offsets the seed per pipeline stage so different stages draw independent dropout masks.
     tensor_parallel.model_parallel_seed(t.seed + 100 * pstate.pp_rank, pstate)
     ctx = build_context(cfg, pstate)
@@ -463,7 +502,7 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
     # fork_rng leaves the generator where initialisation (or the checkpoint's RNG state) put it, so dropout
     # masks after a resume are those of an uninterrupted run.
     with torch.random.fork_rng(devices=[]):
-        trainer.iterators = _build_iterators(ctx, datasets_provider, trainer.consumed_train_samples,
+        trainer.iterators = build_iterators(ctx, datasets_provider, trainer.consumed_train_samples,
                                              consumed_valid, len(model))
     summary = {"iteration": trainer.iteration}
     if not t.skip_train and trainer.iteration < t.train_iters:
@@ -506,7 +545,7 @@ def main_entry(run: Callable[[], object]) -> None:
         else:
             time.sleep(3.0)
         _exit(2)
-    except (ValueError, checkpointing.CheckpointError) as exc:
+    except (ValueError, cio.CheckpointIOError, RunLockError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         _exit(2)
     except RuntimeError as exc:

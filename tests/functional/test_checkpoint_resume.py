@@ -1,10 +1,11 @@
 """Save / stop / resume gives the losses of an uninterrupted run; bad checkpoints fail clearly."""
 
+import json
 import os
 
 import torch
 
-from tests.functional.harness import assert_same_losses, gpt_args, losses, run_pretrain
+from tests.functional.harness import assert_same_losses, gpt_args, losses, parse_iterations, run_pretrain
 
 
 def _resume_equals_straight(data_prefix, tmp_path, nproc, total, stop, **layout):
@@ -35,7 +36,9 @@ def test_resume_tp2_pp2(data_prefix, tmp_path):
     ckpt = _resume_equals_straight(data_prefix, tmp_path, 4, 10, 5, tp=2, tensor_model_parallel_size=2,
                                    pipeline_model_parallel_size=2)
     names = sorted(os.listdir(os.path.join(ckpt, "iter_0000005")))
-    assert names == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert names == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    manifest = json.load(open(os.path.join(ckpt, "iter_0000005", "manifest.json")))
+    assert sorted(manifest["files"]) == [f"{n}/model_optim_rng.pt" for n in names[1:]]
 
 
 def test_resume_distributed_optimizer(data_prefix, tmp_path):
@@ -69,9 +72,17 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(data_prefix, tmp_path):
     path = ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
     path.write_bytes(path.read_bytes()[:1000])
     proc = run_pretrain(gpt_args(data_prefix, train_iters=4, load=str(ckpt)), expect_ok=False)
-    assert proc.returncode == 2 and "cannot read checkpoint" in proc.stderr
-    # --load of a directory with no checkpoint yet (first launch of an auto-resuming script) starts fresh
-    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "nope")))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: checkpoint iteration 2: file {path} has 1000 bytes, ")
+    assert "were saved (truncated or overwritten)" in proc.stderr
+    # --load of a folder that does not exist (a typo) is an error, before any training
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "nope")), expect_ok=False)
+    assert proc.returncode == 2 and parse_iterations(proc.stdout) == {}
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --load folder {tmp_path / 'nope'} does not exist")
+    # --load of an existing folder with no checkpoint yet (first launch of an auto-resuming script) starts fresh
+    (tmp_path / "empty").mkdir()
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "empty")))
     assert "no checkpoint found" in proc.stdout
 
 
