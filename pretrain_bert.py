@@ -118,6 +118,8 @@ def forward_step(ctx: TrainingContext, data_iterator, model):
 def datasets_provider(ctx: TrainingContext, num_samples):
     """(train, valid, test) masked-LM datasets of ``--data-path`` (sentence-split data), or ``--mock-data``."""
     from megatron.core.datasets import BertDatasetConfig, MaskingConfig, WordPieceVocab, build_bert_datasets
+    from megatron.core.datasets.builder import parse_data_path
+    from megatron.core.datasets.checks import check_token_ids
 
     d, bert, seed = ctx.config.data, ctx.config.extra["bert"], ctx.config.training.seed
     config = BertDatasetConfig(
@@ -135,6 +137,9 @@ def datasets_provider(ctx: TrainingContext, num_samples):
 
     def build(first: bool):
         try:
+            if first:  # once, at start-up: token ids against the embedding's rows
+                for prefix in parse_data_path(d.data_path)[0]:
+                    check_token_ids(prefix, ctx.padded_vocab_size)
             return build_bert_datasets(d.data_path, d.split, config, num_samples, cache_dir=d.data_cache_path,
                                        is_rank_0=first, barrier=None if first else (lambda: None))
         except OSError as exc:
