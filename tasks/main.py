@@ -23,9 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed as dist  # noqa: E402
 
-from megatron.core.inference.launch import add_model_arguments, build_engine, is_output_rank  # noqa: E402
+from megatron.core.inference.launch import add_model_arguments, build_engine, is_output_rank, run_tool  # noqa: E402
 from tasks.zeroshot_gpt.datasets import build_lambada, build_wikitext  # noqa: E402
 from tasks.zeroshot_gpt.evaluate import score_samples  # noqa: E402
 
@@ -107,15 +106,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_tool(lambda: run(args))
 
 
 if __name__ == "__main__":

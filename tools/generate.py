@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron.core.inference.launch import add_model_arguments, build_engine, is_output_rank  # noqa: E402
+from megatron.core.inference.launch import add_model_arguments, build_engine, is_output_rank, run_tool  # noqa: E402
 from megatron.core.inference.sampling import SamplingParams  # noqa: E402
 
 
@@ -69,36 +69,33 @@ def read_prompts(args) -> list:
     return prompts
 
 
+def generate(args) -> None:
+    """Generate for every prompt and print the results on the output rank."""
+    engine, _, _ = build_engine(args)
+    prompts = read_prompts(args) if is_output_rank() else None
+    if dist.is_initialized():  # every tensor-parallel rank runs the same batches
+        box = [prompts]
+        dist.broadcast_object_list(box, src=0)
+        prompts = box[0]
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start:start + args.batch_size]
+        outs = engine.generate_text(batch, args.sampling)
+        if not is_output_rank():
+            continue
+        for prompt, out in zip(batch, outs):
+            if args.json:
+                record = {"prompt": prompt, "text": out.text, "tokens": out.generated,
+                          "finish_reason": out.finish_reason}
+                if out.logprobs is not None:
+                    record["logprobs"] = out.logprobs
+                print(json.dumps(record), flush=True)
+            else:
+                print(prompt + out.text, flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        engine, _, _ = build_engine(args)
-        prompts = read_prompts(args) if is_output_rank() else None
-        if dist.is_initialized():  # every tensor-parallel rank runs the same batches
-            box = [prompts]
-            dist.broadcast_object_list(box, src=0)
-            prompts = box[0]
-        for start in range(0, len(prompts), args.batch_size):
-            batch = prompts[start:start + args.batch_size]
-            outs = engine.generate_text(batch, args.sampling)
-            if not is_output_rank():
-                continue
-            for prompt, out in zip(batch, outs):
-                if args.json:
-                    record = {"prompt": prompt, "text": out.text, "tokens": out.generated,
-                              "finish_reason": out.finish_reason}
-                    if out.logprobs is not None:
-                        record["logprobs"] = out.logprobs
-                    print(json.dumps(record), flush=True)
-                else:
-                    print(prompt + out.text, flush=True)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_tool(lambda: generate(args))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional
+import sys
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,3 +82,17 @@ def build_engine(args: argparse.Namespace) -> tuple:
 
 def is_output_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def run_tool(body: Callable[[], object]) -> int:
+    """Run a command-line tool's ``body``: a bad input (``ValueError``) is one ``error:`` line and exit status 2;
+    the process group is torn down either way."""
+    try:
+        body()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
