@@ -1,7 +1,8 @@
 """The contiguous main-grad buffer, its buckets, and (for the distributed optimizer) the parameter buffer.
 
 Layout: the parameters of one dtype are laid out in *reverse* registration order (roughly the order their
-gradients become final in backward), each occupying ``[start, end)`` of one flat buffer. Consecutive
+gradients become final in backward), each occupying ``[start, end)`` of one flat buffer, ``start`` a multiple
+of ``PARAM_ALIGN`` elements. Consecutive
 parameters are grouped into buckets of at least ``bucket_size`` elements (one bucket when ``None``); a
 parameter never straddles two buckets. Under the distributed optimizer every bucket is padded to a multiple
 of ``128 * dp_size`` elements and DP rank ``r`` owns the contiguous range
@@ -27,6 +28,13 @@ from megatron.core.collectives import Pending, all_gather_in_place, all_reduce, 
 from megatron.core.grad_record import GradRecord, attach_main_grad
 
 _SHARD_ALIGN = 128  # elements; keeps every shard start aligned for fast collectives
+PARAM_ALIGN = 16  # elements; every parameter's range starts at a multiple of this (cuBLAS wants 16-byte-aligned
+# operands: a 2-element bias, such as BERT's binary head, would otherwise misalign every range after it and push the
+# weight-gradient GEMMs that accumulate into those ranges onto slow unaligned kernels)
+
+
+def align_up(n: int, unit: int) -> int:
+    return (n + unit - 1) // unit * unit
 
 
 class Bucket:
@@ -69,6 +77,7 @@ class GradBuffer:
         bucket_ranges: List[Tuple[List[torch.nn.Parameter], int, int]] = []
         offset, bucket_start, current = 0, 0, []
         for i, p in enumerate(params):
+            offset = align_up(offset, PARAM_ALIGN)
             self.index[p] = (offset, offset + p.numel())
             offset += p.numel()
             current.append(p)
@@ -113,10 +122,7 @@ class GradBuffer:
             torch._foreach_zero_(unwritten)
 
     def _pad(self, n: int) -> int:
-        if not self.sharded:
-            return n
-        align = _SHARD_ALIGN * self.dp_size
-        return (n + align - 1) // align * align
+        return align_up(n, _SHARD_ALIGN * self.dp_size if self.sharded else PARAM_ALIGN)
 
     # ---- ownership under the distributed optimizer -----------------------------------------------------
     def shard_range(self, bucket: Bucket, dp_rank: int) -> Tuple[int, int]:

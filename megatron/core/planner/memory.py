@@ -22,27 +22,34 @@ from typing import Dict, List, Tuple
 from megatron.core.planner.shapes import Chunk, Layout, ModelShape, chunk_param_numels, stage_chunks
 
 SHARD_ALIGN = 128  # elements; distributed-optimizer bucket padding unit per DP rank (distributed/grad_buffer.py)
+PARAM_ALIGN = 16  # elements; every parameter's range in a DDP buffer starts at a multiple of this
 
 
-def buckets_of(numels: List[int], bucket_size, dp: int, sharded: bool) -> List[Tuple[int, int]]:
-    """``(elements, padded elements)`` of each bucket of one DDP buffer; ``numels`` in buffer (reverse) order."""
-    out, current = [], 0
+def _align_up(n: int, unit: int) -> int:
+    return (n + unit - 1) // unit * unit
+
+
+def buckets_of(numels: List[int], bucket_size, dp: int, sharded: bool) -> List[Tuple[List[Tuple[int, int]], int]]:
+    """``(parameter ranges, padded elements)`` of each bucket of one DDP buffer, ranges relative to the bucket's
+    start; ``numels`` in buffer (reverse) order. Mirrors ``distributed/grad_buffer.py``."""
+    out, ranges, current = [], [], 0
     for i, n in enumerate(numels):
-        current += n
+        start = _align_up(current, PARAM_ALIGN)
+        ranges.append((start, start + n))
+        current = start + n
         if i == len(numels) - 1 or (bucket_size is not None and current >= bucket_size):
-            align = SHARD_ALIGN * dp
-            out.append((current, (current + align - 1) // align * align if sharded else current))
-            current = 0
+            out.append((ranges, _align_up(current, SHARD_ALIGN * dp if sharded else PARAM_ALIGN)))
+            ranges, current = [], 0
     return out
 
 
-def owned_elements(buckets: List[Tuple[int, int]], dp: int, dp_rank: int) -> int:
+def owned_elements(buckets: List[Tuple[List[Tuple[int, int]], int]], dp: int, dp_rank: int) -> int:
     """Parameter elements (padding excluded) in ``dp_rank``'s shard of every bucket."""
     total = 0
-    for n, padded in buckets:
+    for ranges, padded in buckets:
         shard = padded // dp
-        lo = dp_rank * shard
-        total += max(0, min(lo + shard, n) - lo)
+        lo, hi = dp_rank * shard, (dp_rank + 1) * shard
+        total += sum(max(0, min(e, hi) - max(s, lo)) for s, e in ranges)
     return total
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DDPConfig, DistributedDataParallel
+from megatron.core.distributed.grad_buffer import PARAM_ALIGN, align_up
 from megatron.core.grad_record import add_grad, record_of
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, optimizer_memory_report
 from megatron.core.parallel_state import ParallelState
@@ -95,15 +96,18 @@ def _no_sync_body(rank, world):
 
 
 def test_bucket_layout_single_process():
-    """Reverse order, buckets of at least bucket_size elements, padding to 128*DP under the distributed optimizer."""
+    """Reverse order, buckets of at least bucket_size elements, every range starting at a multiple of PARAM_ALIGN
+    elements, padding to 128*DP under the distributed optimizer."""
     model = make_model()
     ddp = DistributedDataParallel(model, pstate=ParallelState.single(), config=DDPConfig(bucket_size=300))
     buf = ddp.buffers[0]
     assert buf.params[0] is model.head.bias and buf.params[-1] is model.fc1.weight
     assert all(b.numel >= 300 for b in buf.buckets[:-1])
-    assert sum(b.numel for b in buf.buckets) == sum(p.numel() for p in model.parameters())
+    aligned = sum(align_up(p.numel(), PARAM_ALIGN) for p in model.parameters())
+    assert sum(b.numel for b in buf.buckets) == aligned > sum(p.numel() for p in model.parameters())
     for p in model.parameters():
         assert p.main_grad.shape == p.shape and p.main_grad.data_ptr() >= buf.grad_data.data_ptr()
+        assert buf.index[p][0] % PARAM_ALIGN == 0
     sharded = DistributedDataParallel(make_model(), pstate=ParallelState.single(),
                                       config=DDPConfig(bucket_size=300, use_distributed_optimizer=True))
     assert all(b.numel % 128 == 0 for b in sharded.buffers[0].buckets)
