@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gpu-kind", default=None, help="name stored in the file (default: the device's name)")
         p.add_argument("--calibration", default="h200",
                        help="base calibration for what cannot be measured in two minutes")
+        p.add_argument("--quick", action="store_true",
+                       help="shorten every timing loop (tries the routine out; not a calibration to keep)")
         return p
     add_model_arguments(p)
     add_layout_arguments(p, for_search=True)
@@ -103,7 +105,7 @@ def _calibrate(args) -> int:
 
     base = load_calibration(args.calibration)
     cal = calibrate(base, device=args.calibrate_device, gpu_kind=args.gpu_kind,
-                    log=lambda m: print(m, file=sys.stderr, flush=True))
+                    log=lambda m: print(m, file=sys.stderr, flush=True), quick=args.quick)
     dump_calibration(cal, args.calibration_out)
     print(f"wrote {args.calibration_out}")
     return 0

@@ -163,13 +163,19 @@ def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkA
         kept += s * b * h / sp_div  # embedding dropout mask (1 byte)
     if chunk.post:
         v = shape.padded_vocab(t)
-        kept += act * s * b * h / sp_div + act * s * b * h  # final LayerNorm input; output gathered for the GEMM
-        if shape.model == "bert":  # LM-head transform: dense output, GeLU output, LayerNorm output (full s)
-            kept += 3 * act * s * b * h
-        logits = act * s * b * v / t
-        fused = layout.cross_entropy_fusion and t == 1
-        # the eager vocab-parallel loss keeps one fp32 copy of the local logits (softmax, then its gradient in
-        # place) and casts the gradient back; the fused loss (TP 1) writes the gradient into the logits
+        sbh = s * b * h
+        if shape.model == "bert":
+            # final LayerNorm input and output (the LM-head dense input), the dense output, the GeLU output and
+            # the head LayerNorm output, all on this rank's sequence slice; that output gathered for the
+            # vocabulary GEMM under SP (the pooler and binary head keep b x h: nothing)
+            kept += 5 * act * sbh / sp_div + (act * sbh if layout.sp else 0)
+        else:
+            kept += act * sbh / sp_div + act * sbh  # final LayerNorm input; output gathered for the GEMM
+        logits = act * s * b * v / t  # BERT: every position's logits, not only the masked ones
+        fused = layout.cross_entropy_fusion and t == 1 and shape.model == "gpt"
+        # the eager vocab-parallel loss (BERT's always) keeps one fp32 copy of the local logits (softmax, then
+        # its gradient in place) and casts the gradient back; the fused loss (GPT, TP 1) writes the gradient
+        # into the logits
         transient = max(transient, logits + (0 if fused else 4 * s * b * v / t))
     return ChunkActivations(kept, transient)
 

@@ -98,10 +98,12 @@ class ChunkTime:
     recompute: float
     tp_comm: float
     overhead: float
+    host: float = 0.0  # the host's Python and kernel-launch work: the GPU cannot finish sooner
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.elementwise + self.recompute + self.tp_comm + self.overhead
+        gpu = self.gemm + self.attention + self.elementwise + self.recompute + self.tp_comm
+        return max(gpu, self.host) + self.overhead
 
 
 def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, chunk: Chunk) -> ChunkTime:
@@ -119,7 +121,10 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     attn_fwd_flops = 2.0 * s * s * b * h / t  # QK^T and xV, causal half
     if shape.model == "bert":
         attn_fwd_flops *= 2  # bidirectional: the whole s x s square
-    attn_rate = _interp([[float(k), v] for k, v in cal["attention_tflops"].items()], float(d)) * 1e12
+    # BERT: bidirectional attention with a key-padding mask (no flash kernel takes one): its own measured rate
+    table = cal.get("attention_masked_tflops") if shape.model == "bert" else None
+    table = table or cal["attention_tflops"]
+    attn_rate = _interp([[float(k), v] for k, v in table.items()], float(d)) * 1e12
     attn_fwd = attn_fwd_flops / attn_rate
     if layout.attention_backend == "unfused":
         attn_fwd *= 2.0
@@ -153,17 +158,26 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     tp_comm = L * n_coll * per if t > 1 else 0.0
     over = cal["overheads"]
     overhead = L * over.get("per_layer_ms", 0.0) * 1e-3
+    # host floor: forward + backward of each layer, plus the forward again of every fully recomputed layer
+    # (a third of the layer's launches); measured by --calibrate (absent: no floor)
+    host_layer = over.get("host_ms_per_layer", {}).get("fp8" if prec == "fp8" else "bf16", 0.0) * 1e-3
+    n_full = 0 if g != "full" else (L if layout.recompute_method == "uniform" else
+                                    min(L, layout.recompute_num_layers or 1))
+    host = host_layer * (L + n_full / 3)
     if chunk.pre:
         ew += 8 * tokens * h / ew_rate
     if chunk.post:
         v = shape.padded_vocab(t)
         gemm += 3 * gemm_seconds(cal, tokens, v // t, h, "bf16" if prec == "fp8" else prec)
-        fused = layout.cross_entropy_fusion and t == 1
+        fused = layout.cross_entropy_fusion and t == 1 and shape.model == "gpt"  # BERT: the eager loss
         ew += (4 if fused else 28) * tokens * v / t / ew_rate
         ew += (4 + 8) * act / 2 * tokens * h / sp_div / ew_rate  # final LayerNorm forward and backward
+        if shape.model == "bert":  # LM-head transform: dense h x h, GeLU and LayerNorm, forward and backward
+            gemm += 3 * gemm_seconds(cal, tokens, h, h, "bf16" if prec == "fp8" else prec)
+            ew += (5 + 12) * act / 2 * tokens * h / sp_div / ew_rate
         if t > 1:  # the output layer's input: gathered (SP) or all-reduced in backward
             tp_comm += (2 if layout.sp else 1) * ring_seconds(cal, msg, t, tp_spans, "ag" if layout.sp else "ar")
-    return ChunkTime(gemm, attention, ew, rec, tp_comm, overhead)
+    return ChunkTime(gemm, attention, ew, rec, tp_comm, overhead, host)
 
 
 @dataclass
