@@ -260,7 +260,7 @@ def run_all(args, command: str) -> None:
     calibrations = {}
     if args.calibrate_first:
         try:
-            calibrations["measured"] = calibrate_first(args.results_dir, args.tiny, 90 if not args.tiny else 300)
+            calibrations["calibrated"] = calibrate_first(args.results_dir, args.tiny, 90 if not args.tiny else 300)
         except (subprocess.SubprocessError, OSError) as exc:
             print(f"calibration failed ({exc}); predicting with the shipped calibration only", flush=True)
     calibrations["shipped"] = args.calibration
@@ -323,7 +323,7 @@ def main() -> None:
     mode.add_argument("--from-records", action="store_true", help="compare with the runs recorded in bench/results")
     ap.add_argument("--calibration", default="h200",
                     help="the shipped calibration (GPU kind) or a JSON file; with --from-measurements repeat "
-                         "LABEL=FILE pairs comma-separated, e.g. measured=out/h200.json,shipped=h200")
+                         "LABEL=FILE pairs comma-separated, e.g. calibrated=out/h200.json,shipped=h200")
     ap.add_argument("--calibrate-first", action="store_true",
                     help="--run: first run tools/plan.py --calibrate into RESULTS_DIR/h200.json and predict with it too")
     ap.add_argument("--tiny", action="store_true", help="--run: tiny shapes on the CPU (checks the whole path)")

@@ -230,8 +230,8 @@ def calibrate(base: dict, device: str = "cuda", gpu_kind: Optional[str] = None, 
     host = {"bf16": measure_host_floor(dev, fp8=False)}
     host["fp8"] = measure_host_floor(dev, fp8=True) if fp8_supported(dev) else host["bf16"]
     cal["overheads"]["host_ms_per_layer"] = {k: round(v, 4) for k, v in host.items()}
-    carried = ["inter_node_busbw_gbps", "overheads (except host_ms_per_layer)", "memory.reserved_over_allocated",
-               "memory.nccl_buffer_bytes", "peak_tflops"]
+    carried = ["inter_node_busbw_gbps", "overheads.per_iteration_ms", "overheads.per_microbatch_ms",
+               "overheads.per_layer_ms", "memory.reserved_over_allocated", "memory.nccl_buffer_bytes", "peak_tflops"]
     if big:  # CUDA context and library workspaces: device memory in use that the PyTorch allocator does not hold
         free, total = torch.cuda.mem_get_info(dev)
         cal["memory"]["outside_allocator_bytes"] = float(total - free - torch.cuda.memory_reserved(dev))
