@@ -158,15 +158,21 @@ def _peaks(text: str) -> dict:
     return {"allocated": alloc / 2 ** 30, "reserved": reserved / 2 ** 30, "outside": outside / 2 ** 30}
 
 
-def train_bert_vocab(workdir: str) -> str:
-    """A lower-case WordPiece vocabulary (up to BERT's 30,522 entries) trained on the bundled corpus."""
+def train_bert_vocab(workdir: str, size: int = 30522) -> str:
+    """A lower-case WordPiece vocabulary trained on the bundled corpus, filled up to BERT's ``size`` entries with
+    ``[unusedN]`` tokens (as BERT's own vocabulary has them) so that the model has BERT-large's embedding shape."""
     from tokenizers import BertWordPieceTokenizer
 
     with gzip.open(os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz"), "rt") as f:
         docs = [json.loads(line)["text"] for line in f]
     tok = BertWordPieceTokenizer(lowercase=True)
-    tok.train_from_iterator(docs, vocab_size=30522, special_tokens=BERT_SPECIAL, show_progress=False)
-    return tok.save_model(workdir, "corpus")[0]
+    tok.train_from_iterator(docs, vocab_size=size, special_tokens=BERT_SPECIAL, show_progress=False)
+    path = tok.save_model(workdir, "corpus")[0]
+    with open(path) as f:
+        trained = sum(1 for line in f if line.strip())
+    with open(path, "a") as f:
+        f.writelines(f"[unused{i}]\n" for i in range(size - trained))
+    return path
 
 
 def bert_vocab_size(vocab_file: str) -> int:
