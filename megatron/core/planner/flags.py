@@ -77,6 +77,8 @@ def add_layout_arguments(p: argparse.ArgumentParser, for_search: bool) -> None:
                    help="fused vocabulary cross-entropy (TP 1: no fp32 copy of the logits)")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
                    help="adam keeps two fp32 moments per parameter, sgd one momentum")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="replay each iteration from a CUDA graph (1 GPU): the host's launch work is not paid")
     g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash", "cudnn", "unfused", "auto"],
                    help="sdpa/flash/cudnn keep no s x s scores; unfused keeps them")
 
@@ -117,7 +119,7 @@ def layout_switches(args: argparse.Namespace) -> dict:
                 last_stage_layers=args.decoder_last_pipeline_num_layers, ddp_bucket_size=args.ddp_bucket_size,
                 overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                 cross_entropy_fusion=args.cross_entropy_loss_fusion, optimizer=args.optimizer,
-                recompute_modules=tuple(args.recompute_modules),
+                recompute_modules=tuple(args.recompute_modules), cuda_graph=args.enable_cuda_graph,
                 attention_backend="sdpa" if args.attention_backend in ("auto", "flash", "cudnn") else
                 args.attention_backend)
 
@@ -187,7 +189,8 @@ def planner_argv(trainer: argparse.Namespace, vocab_size: Optional[int] = None) 
                        ("--use-distributed-optimizer", "use_distributed_optimizer"), ("--bf16", "bf16"),
                        ("--fp16", "fp16"), ("--overlap-grad-reduce", "overlap_grad_reduce"),
                        ("--overlap-param-gather", "overlap_param_gather"),
-                       ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion")):
+                       ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion"),
+                       ("--enable-cuda-graph", "enable_cuda_graph")):
         if getattr(t, name, False):
             argv.append(flag)
     return argv

@@ -163,19 +163,23 @@ def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkA
         kept += s * b * h / sp_div  # embedding dropout mask (1 byte)
     if chunk.post:
         v = shape.padded_vocab(t)
-        sbh = s * b * h
+        sbh, ln_stats = s * b * h, 2 * act * s * b / sp_div  # one LayerNorm's mean and rstd
         if shape.model == "bert":
             # final LayerNorm input and output (the LM-head dense input), the dense output, the GeLU output and
-            # the head LayerNorm output, all on this rank's sequence slice; that output gathered for the
-            # vocabulary GEMM under SP (the pooler and binary head keep b x h: nothing)
-            kept += 5 * act * sbh / sp_div + (act * sbh if layout.sp else 0)
-        else:
-            kept += act * sbh / sp_div + act * sbh  # final LayerNorm input; output gathered for the GEMM
+            # the head LayerNorm output, all on this rank's sequence slice, and both LayerNorms' statistics;
+            # that output gathered for the vocabulary GEMM under SP
+            kept += 5 * act * sbh / sp_div + 2 * ln_stats + (act * sbh if layout.sp else 0)
+            if shape.bert_binary_head:  # the pooler's tanh output [b, h]; under SP it keeps the gathered input
+                kept += act * b * h + (act * sbh if layout.sp else 0)
+        else:  # final LayerNorm input and statistics; its output gathered for the GEMM
+            kept += act * sbh / sp_div + ln_stats + act * sbh
         logits = act * s * b * v / t  # BERT: every position's logits, not only the masked ones
         fused = layout.cross_entropy_fusion and t == 1 and shape.model == "gpt"
         # the eager vocab-parallel loss (BERT's always) keeps one fp32 copy of the local logits (softmax, then
-        # its gradient in place) and casts the gradient back; the fused loss (GPT, TP 1) writes the gradient
-        # into the logits
+        # its gradient in place) and casts the gradient back, and keeps its int64 local targets and a 1-byte
+        # outside-this-shard mask; the fused loss (GPT, TP 1) writes the gradient into the logits
+        if not fused:
+            kept += 9 * s * b
         transient = max(transient, logits + (0 if fused else 4 * s * b * v / t))
     return ChunkActivations(kept, transient)
 

@@ -6,7 +6,8 @@ FLOPs), the element-wise passes (LayerNorm, bias-dropout-add, GeLU, cross-entrop
 bandwidth), recomputation (the forward parts recomputed), exposed tensor-parallel collectives, and a fixed
 host overhead. The iteration is ``(m + (pp - 1) / vpp)`` microbatch times of the slowest pipeline rank (the
 1F1B bubble), plus exposed pipeline send/receive, the data-parallel gradient reduction (and the parameter
-all-gather of the distributed optimizer), the optimizer step, and a fixed per-iteration overhead.
+all-gather of the distributed optimizer), the optimizer step, and a fixed per-iteration overhead. A chunk never
+runs faster than its host floor (the measured Python and kernel-launch time per layer; none under a CUDA graph).
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     host_layer = over.get("host_ms_per_layer", {}).get("fp8" if prec == "fp8" else "bf16", 0.0) * 1e-3
     n_full = 0 if g != "full" else (L if layout.recompute_method == "uniform" else
                                     min(L, layout.recompute_num_layers or 1))
-    host = host_layer * (L + n_full / 3)
+    host = 0.0 if layout.cuda_graph else host_layer * (L + n_full / 3)  # a replayed graph launches nothing
     if chunk.pre:
         ew += 8 * tokens * h / ew_rate
     if chunk.post:
