@@ -365,11 +365,14 @@ def main() -> None:
             run_all(args, command)
         elif args.from_measurements:
             measurements = load_measurements(args.from_measurements)
+            with open(args.from_measurements) as f:
+                data = json.load(f)
+            meta = {f"measured {k}": v for k, v in data.get("meta", {}).items()} if isinstance(data, dict) else {}
             pairs = [p.split("=", 1) if "=" in p else [os.path.basename(p).removesuffix(".json"), p]
                      for p in args.calibration.split(",") if p]
             os.makedirs(args.results_dir, exist_ok=True)
             out = os.path.join(args.results_dir, "plan_validation")
-            rows = _write(out, measurements, dict(pairs), {}, command,
+            rows = _write(out, measurements, dict(pairs), meta, command,
                           f"Planner against the measurements of {args.from_measurements}", [])
             print(f"{summary(rows)}; {out}.md")
         else:
