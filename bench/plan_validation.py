@@ -122,9 +122,10 @@ def from_records(calibration: dict) -> list:
     recs = []
     for source, config, gpus, flags, ms, gib in RECORDS:
         full = f"{flags} {COMMON}"
+        launch = f" (torchrun --nproc_per_node {gpus})" if gpus > 1 else ""
         recs.append({"config": config, "planner_flags": full, "gpus": gpus, "measured_ms_per_iter": ms,
                      "measured_peak_mem_gib": gib, "source": f"bench/{source}",
-                     "command": f"pretrain_gpt.py {full}" + (f" (torchrun --nproc_per_node {gpus})" if gpus > 1 else "")})
+                     "command": f"pretrain_gpt.py {full}{launch}"})
     return compare(recs, {"shipped": calibration})
 
 
@@ -339,7 +340,8 @@ def main() -> None:
                     help="the shipped calibration (GPU kind) or a JSON file; with --from-measurements repeat "
                          "LABEL=FILE pairs comma-separated, e.g. calibrated=out/h200.json,shipped=h200")
     ap.add_argument("--calibrate-first", action="store_true",
-                    help="--run: first run tools/plan.py --calibrate into RESULTS_DIR/h200.json and predict with it too")
+                    help="--run: first run tools/plan.py --calibrate into RESULTS_DIR/h200.json and predict with it "
+                         "too")
     ap.add_argument("--tiny", action="store_true", help="--run: tiny shapes on the CPU (checks the whole path)")
     ap.add_argument("--only", default="", help="--run: comma-separated configuration names")
     vocab = os.path.join(os.path.dirname(ROOT), "shared", "data", "bert", "vocab.txt")

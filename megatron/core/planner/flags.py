@@ -41,7 +41,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1,
                    help="attention dropout (default 0.1; flash attention keeps no mask: matters for "
                         "--attention-backend unfused only)")
-    g.add_argument("--hidden-dropout", type=float, default=0.1, help="hidden dropout (default 0.1; > 0 keeps two masks per layer)")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="hidden dropout (default 0.1; > 0 keeps two masks per layer)")
     g.add_argument("--bert-no-binary-head", action="store_true",
                    help="BERT without the pooler, binary head and token-type embeddings")
     g.add_argument("--global-batch-size", type=int, required=True, help="sequences per iteration")
@@ -68,11 +69,14 @@ def add_layout_arguments(p: argparse.ArgumentParser, for_search: bool) -> None:
                    help="layers per group (uniform) or recomputed layers per stage (block, selective)")
     g.add_argument("--recompute-modules", nargs="*", default=["core_attn", "mlp_act"],
                    help="what selective recomputation covers: core_attn and/or mlp_act (default both)")
-    g.add_argument("--micro-batch-size", type=int, default=d, help="sequences per microbatch (tools/plan.py: searched over --micro-batch-sizes when not given)")
+    g.add_argument("--micro-batch-size", type=int, default=d,
+                   help="sequences per microbatch (tools/plan.py: searched over --micro-batch-sizes when not given)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     g.add_argument("--fp16", action="store_true", help="fp16 parameters and activations")
-    g.add_argument("--fp8-format", default=None, help="FP8 GEMMs in the transformer layers (e4m3 or hybrid; implies bf16 elsewhere)")
-    g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per gradient bucket (default: one bucket per model chunk)")
+    g.add_argument("--fp8-format", default=None,
+                   help="FP8 GEMMs in the transformer layers (e4m3 or hybrid; implies bf16 elsewhere)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (default: one bucket per model chunk)")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the DP reduction with backward")
     g.add_argument("--overlap-param-gather", action="store_true", help="overlap the param all-gather with forward")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
@@ -89,7 +93,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser, num_gpus_required: bool) -
     g = p.add_argument_group("cluster")
     g.add_argument("--num-gpus", type=int, required=num_gpus_required, default=None if num_gpus_required else 1,
                    help="GPUs in the job (= TP x PP x DP)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8; collectives beyond it cross nodes)")
+    g.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node (default 8; collectives beyond it cross nodes)")
     g.add_argument("--gpu-memory-gb", type=float, default=141.0,
                    help="memory per GPU in GB (1e9 bytes, as quoted by vendors; default 141 = H200, H100: 80)")
     g.add_argument("--gpu-kind", default="h200",

@@ -110,7 +110,7 @@ class ChunkTime:
 def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, chunk: Chunk) -> ChunkTime:
     """Forward + backward of one microbatch through one chunk on one GPU."""
     s, b, h, f, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.ffn, layout.tp
-    a, d = shape.num_attention_heads, shape.hidden_size // shape.num_attention_heads
+    d = shape.hidden_size // shape.num_attention_heads  # head dim
     prec, tokens = layout.precision, s * b
     act = 4 if prec == "fp32" else 2
     ew_rate = cal["elementwise_gbps"] * 1e9

@@ -29,7 +29,8 @@ def predicted(planner_flags: str, gpus: int, calibration: dict) -> dict:
     """Predicted allocator peak (GiB) and ms/iteration of a trainer flag set on ``gpus`` GPUs."""
     shape, layout, cluster, gbs = inputs_from_argv(shlex.split(planner_flags), num_gpus=gpus)
     pred = predict(shape, layout, cluster, calibration, gbs)
-    return {"predicted_peak_mem_gib": round(pred.peak_bytes / GIB, 2), "predicted_ms_per_iter": round(pred.ms_per_iter, 1)}
+    return {"predicted_peak_mem_gib": round(pred.peak_bytes / GIB, 2),
+            "predicted_ms_per_iter": round(pred.ms_per_iter, 1)}
 
 
 def _errors(pred: dict, ms: Optional[float], gib: Optional[float]) -> dict:
