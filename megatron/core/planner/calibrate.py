@@ -1,6 +1,6 @@
 """Measure the time model's rates on this machine's GPU and write a calibration file (``tools/plan.py --calibrate``).
 
-Measured (about a minute on one GPU): GEMM rates at the sizes of the transformer linears (bf16, and FP8 through
+Measured (under a minute on one GPU): GEMM rates at the sizes of the transformer linears (bf16, and FP8 through
 ``torch._scaled_mm`` where the GPU has FP8 tensor cores), causal attention forward + backward at head dims 64 and
 128 (``scaled_dot_product_attention``), element-wise bandwidth (a fused multiply-add pass over a large tensor),
 copy bandwidth (the optimizer pass), the device memory used outside the PyTorch allocator (CUDA context, library
@@ -54,7 +54,7 @@ def measure_gemm(device: torch.device, tokens: int, sizes: List[tuple], dtype: t
     for n, k in sizes:
         a = torch.randn(tokens, k, device=device, dtype=dtype)
         b = torch.randn(n, k, device=device, dtype=dtype)
-        sec = _timeit(lambda: torch.matmul(a, b.t()), device, budget_s=0.5)
+        sec = _timeit(lambda: torch.matmul(a, b.t()), device, budget_s=0.3)
         flops = 2.0 * tokens * n * k
         out.append([flops, flops / sec / 1e12])
     return out
@@ -79,7 +79,7 @@ def measure_fp8_gemm(device: torch.device, tokens: int, sizes: List[tuple]) -> L
             wq = (w * (448.0 / ws)).to(torch.float8_e4m3fn)
             torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
-        sec = _timeit(step, device, budget_s=0.5)
+        sec = _timeit(step, device, budget_s=0.3)
         flops = 2.0 * tokens * n * k
         out.append([flops, flops / sec / 1e12])
     return out
@@ -205,18 +205,22 @@ def calibrate(base: dict, device: str = "cuda", gpu_kind: Optional[str] = None, 
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--calibrate needs a CUDA GPU (or --calibrate-device cpu to try the routine on the CPU)")
     big = dev.type == "cuda"
-    tokens = 16384 if big else 256
-    hs = [768, 2048, 4096] if big else [64, 128]
-    sizes = [(n, k) for h in hs for n, k in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h))]
+    # (tokens, hidden sizes): large microbatches at three widths, and small ones (124M at 1 x 1024 tokens,
+    # BERT-large at 8 x 512) where the GEMMs are too small to fill the GPU
+    shapes = [(16384, [768, 2048, 4096]), (1024, [768]), (4096, [1024])] if big else [(256, [64, 128])]
     t_start = time.perf_counter()
     cal = copy.deepcopy({k: v for k, v in base.items() if not k.startswith("_")})
     name = gpu_kind or (torch.cuda.get_device_name(dev) if big else "cpu")
-    log(f"calibrating on {name}: GEMMs")
+    log(f"calibrating on {name}: GEMMs (bf16, and FP8 where the GPU has it)")
     cal["gpu_kind"] = name
-    cal["gemm_tflops"] = {"bf16": measure_gemm(dev, tokens, sizes, torch.bfloat16 if big else torch.float32)}
-    if fp8_supported(dev):
-        log("FP8 GEMMs")
-        cal["gemm_tflops"]["fp8"] = measure_fp8_gemm(dev, tokens, sizes)
+    bf16, fp8 = [], []
+    for tokens, hs in shapes:
+        sizes = [(n, k) for h in hs for n, k in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h))]
+        bf16 += measure_gemm(dev, tokens, sizes, torch.bfloat16 if big else torch.float32)
+        fp8 += measure_fp8_gemm(dev, tokens, sizes) if fp8_supported(dev) else []
+    cal["gemm_tflops"] = {"bf16": sorted(bf16)}
+    if fp8:
+        cal["gemm_tflops"]["fp8"] = sorted(fp8)
     else:
         cal["gemm_tflops"]["fp8"] = cal["gemm_tflops"]["bf16"]
     log("attention")
