@@ -9,8 +9,8 @@ What cannot be measured in that time (inter-node bandwidth, the fixed overheads 
 fragmentation, which come from whole training runs) is carried over from a base calibration and listed under
 ``carried_over``. Also measured: BERT's attention (bidirectional, with a key-padding mask) at head dim 64, and
 the host floor of one transformer layer (``overheads.host_ms_per_layer``): forward and backward of the library's
-own ``TransformerLayer`` at a tiny size, where the GPU waits for the Python and kernel-launch work, so the time
-is that work's; a small model or micro-batch cannot run faster than it.
+own ``TransformerLayer`` at a tiny size inside the data-parallel wrapper, where the GPU waits for the Python and
+kernel-launch work, so the time is that work's; a small model or micro-batch cannot run faster than it.
 ``device="cpu"`` runs the same code on the CPU (small sizes) to try the routine out; ``quick`` shortens every
 timing loop (a smoke test of the routine, not a calibration to keep).
 """
@@ -134,7 +134,9 @@ def measure_elementwise(device: torch.device, numel: int) -> Dict[str, float]:
 
 def measure_host_floor(device: torch.device, fp8: bool, num_layers: int = 4) -> float:
     """Milliseconds per layer of forward + backward through ``num_layers`` tiny ``TransformerLayer``s (h 64, s 64,
-    b 1; fused kernels as the trainer runs them): the host's Python and launch work per layer."""
+    b 1) as the trainer runs them: fused kernels, inside the data-parallel wrapper whose gradient buffer the
+    weight-gradient GEMMs write into (gradient-accumulation fusion); the host's Python and launch work per layer."""
+    from megatron.core.distributed import DDPConfig, DistributedDataParallel
     from megatron.core.parallel_state import ParallelState
     from megatron.core.transformer.config import TransformerConfig
     from megatron.core.transformer.layer import TransformerLayer
@@ -142,14 +144,16 @@ def measure_host_floor(device: torch.device, fp8: bool, num_layers: int = 4) -> 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4, seq_length=64,
                             params_dtype=dtype, attention_dropout=0.0, hidden_dropout=0.0,
-                            gradient_accumulation_fusion=False, fp8="hybrid" if fp8 else None)
+                            fp8="hybrid" if fp8 else None)
     pstate = ParallelState.single()
     with torch.device(device):
         layers = torch.nn.Sequential(*[TransformerLayer(cfg, pstate) for _ in range(num_layers)])
+    model = DistributedDataParallel(layers, pstate=pstate, config=DDPConfig())
     x = torch.randn(64, 1, 64, device=device, dtype=dtype, requires_grad=True)  # [s, b, h]
 
     def step():
-        layers(x).sum().backward()
+        model.zero_grad_buffer()
+        model(x).sum().backward()
 
     return 1e3 * _timeit(step, device, budget_s=1.0) / num_layers
 
