@@ -254,7 +254,8 @@ def calibrate_first(results_dir: str, tiny: bool, timeout_s: float) -> str:
 
 
 def _write(out: str, measurements: list, calibrations: dict, meta: dict, command: str, title: str, notes) -> list:
-    """Write ``out``_measurements.json (when measured), ``out``.json and ``out``.md; the rows."""
+    """Predict ``measurements`` with every calibration (label -> kind or file); write ``out``.json and ``out``.md
+    and return the rows."""
     cals = {label: load_calibration(path) for label, path in calibrations.items()}
     rows = compare(measurements, cals)
     paths = {label: os.path.relpath(c["_path"], ROOT) if c["_path"].startswith(ROOT) else c["_path"]
@@ -266,10 +267,24 @@ def _write(out: str, measurements: list, calibrations: dict, meta: dict, command
     return rows
 
 
+def _progress(row: dict) -> str:
+    """``measured 12.3 ms, 4.5 GiB | calibrated -3.1% time, +1.2% memory | shipped ...``"""
+    pct = lambda p, key: f"{100 * p[key]:+.1f}%" if key in p else "n/a"  # noqa: E731
+    preds = row.get("by_calibration") or {"predicted": row}
+    return (f"measured {row['measured_ms_per_iter']} ms, {row['measured_peak_mem_gib']} GiB | " + " | ".join(
+        f"{label} {p['predicted_ms_per_iter']} ms ({pct(p, 'time_error')}), {p['predicted_peak_mem_gib']} GiB "
+        f"({pct(p, 'mem_error')})" for label, p in preds.items()))
+
+
 def run_all(args, command: str) -> None:
     os.makedirs(args.results_dir, exist_ok=True)
     log_dir = os.path.join(args.results_dir, "plan_validation_logs")
     os.makedirs(log_dir, exist_ok=True)
+    configs = TINY if args.tiny else CONFIGS
+    only = set(filter(None, args.only.split(",")))
+    unknown = only - {c[0] for c in configs}
+    if unknown:
+        raise SystemExit(f"error: --only names no configuration: {', '.join(sorted(unknown))}")
     start = time.perf_counter()
     calibrations = {}
     if args.calibrate_first:
@@ -278,11 +293,6 @@ def run_all(args, command: str) -> None:
         except (subprocess.SubprocessError, OSError) as exc:
             print(f"calibration failed ({exc}); predicting with the shipped calibration only", flush=True)
     calibrations["shipped"] = args.calibration
-    configs = TINY if args.tiny else CONFIGS
-    only = set(filter(None, args.only.split(",")))
-    unknown = only - {c[0] for c in configs}
-    if unknown:
-        raise SystemExit(f"error: --only names no configuration: {', '.join(sorted(unknown))}")
     import torch
 
     meta = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -314,12 +324,8 @@ def run_all(args, command: str) -> None:
             json.dump({"meta": meta, "measurements": measurements}, f, indent=1)
         notes = [f"not measured: {', '.join(skipped)}"] if skipped else []
         rows = _write(out, measurements, calibrations, meta, command, title, notes)
-        r = rows[-1]
-        print(f"[{time.perf_counter() - start:5.0f} s] {name}: {time.perf_counter() - t0:.0f} s wall | measured "
-              f"{r['measured_ms_per_iter']} ms, {r['measured_peak_mem_gib']} GiB | predicted "
-              f"{r['predicted_ms_per_iter']} ms ({100 * r.get('time_error', 0):+.1f}%), "
-              f"{r['predicted_peak_mem_gib']} GiB" + (f" ({100 * r['mem_error']:+.1f}%)" if "mem_error" in r else ""),
-              flush=True)
+        print(f"[{time.perf_counter() - start:5.0f} s] {name}: {time.perf_counter() - t0:.0f} s wall | "
+              + _progress(rows[-1]), flush=True)
     if not measurements:
         raise SystemExit("error: no configuration was measured; see the logs in " + log_dir)
     rows = _write(out, measurements, calibrations, meta, command, title,
