@@ -165,10 +165,10 @@ def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkA
         v = shape.padded_vocab(t)
         sbh, ln_stats = s * b * h, 2 * act * s * b / sp_div  # one LayerNorm's mean and rstd
         if shape.model == "bert":
-            # final LayerNorm input and output (the LM-head dense input), the dense output, the GeLU output and
-            # the head LayerNorm output, all on this rank's sequence slice, and both LayerNorms' statistics;
-            # that output gathered for the vocabulary GEMM under SP
-            kept += 5 * act * sbh / sp_div + 2 * ln_stats + (act * sbh if layout.sp else 0)
+            # final LayerNorm input and output (the LM-head dense input), the dense output and the GeLU output,
+            # on this rank's sequence slice, both LayerNorms' statistics, and the head LayerNorm output: the
+            # vocabulary GEMM's input, gathered to the whole sequence under SP
+            kept += 4 * act * sbh / sp_div + 2 * ln_stats + act * sbh
             if shape.bert_binary_head:  # the pooler's tanh output [b, h]; under SP it keeps the gathered input
                 kept += act * b * h + (act * sbh if layout.sp else 0)
         else:  # final LayerNorm input and statistics; its output gathered for the GEMM
