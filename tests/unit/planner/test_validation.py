@@ -103,3 +103,25 @@ def test_tiny_run_calibrates_measures_and_compares_again(tmp_path):
     # comparison apart from measurement: the saved records give the same rows again
     again = compare(records, {"calibrated": cal, "shipped": load_calibration("h200")})
     assert again == rows
+
+
+def test_host_floor_bounds_small_runs_and_cuda_graphs_remove_it():
+    from megatron.core.planner import Cluster, Layout, ModelShape
+
+    shipped = load_calibration("h200")
+    floor = dict(shipped, overheads={**shipped["overheads"], "host_ms_per_layer": {"bf16": 1.0, "fp8": 2.0}})
+    shape = ModelShape(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024)
+    one = Cluster(num_gpus=1, gpu_memory_gb=141)
+
+    def per_mb(layout, cal):
+        return predict(shape, layout, one, cal, 16).time.per_microbatch * 1e3
+
+    fixed = shipped["overheads"]["per_microbatch_ms"]
+    assert per_mb(Layout(), shipped) < 12.0  # the GPU work of 1 x 1024 tokens is far below 12 ms
+    assert per_mb(Layout(), floor) == pytest.approx(12 * 1.0 + fixed)  # host-bound: the floor decides
+    assert per_mb(Layout(precision="fp8"), floor) == pytest.approx(12 * 2.0 + fixed)
+    full = Layout(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert per_mb(full, floor) == pytest.approx(12 * (1 + 1 / 3) + fixed)  # the recomputed forwards launch again
+    assert per_mb(Layout(cuda_graph=True), floor) == per_mb(Layout(), shipped)
+    big = Layout(micro_batch_size=16)  # GPU-bound: 16k tokens take longer than the floor
+    assert per_mb(big, floor) == per_mb(big, shipped)
