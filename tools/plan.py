@@ -30,6 +30,16 @@ from megatron.core.planner.predict import (  # noqa: E402
 from megatron.core.planner.timing import dump_calibration, load_calibration  # noqa: E402
 
 
+CALIBRATE_HELP = """calibration mode (python tools/plan.py --calibrate --help):
+  --calibrate --calibration-out FILE   measure GEMM (bf16, FP8), causal and masked attention, element-wise and copy
+                                       bandwidth, the host floor per layer and, with 2+ GPUs, NCCL bandwidth on
+                                       this machine and write FILE (under 90 s on one H200); no model flags needed
+  --calibrate-device cuda|cpu          the GPU (default) or the CPU, to try the routine out
+  --gpu-kind NAME                      name stored in the file (default: the device's name)
+  --calibration BASE                   where the values not measurable in that time come from (default h200)
+  --quick                              shorten every timing loop (a smoke test, not a calibration to keep)"""
+
+
 def _ints(text: str, flag: str):
     try:
         values = [int(x) for x in text.split(",") if x]
@@ -41,7 +51,8 @@ def _ints(text: str, flag: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=CALIBRATE_HELP)
     if "--calibrate" in sys.argv:  # the model flags are not needed to calibrate
         p.add_argument("--calibrate", action="store_true",
                        help="measure GEMM, attention, element-wise and collective rates on this machine")
@@ -51,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gpu-kind", default=None, help="name stored in the file (default: the device's name)")
         p.add_argument("--calibration", default="h200",
                        help="base calibration for what cannot be measured in two minutes")
+        p.add_argument("--quick", action="store_true",
+                       help="shorten every timing loop (tries the routine out; not a calibration to keep)")
         return p
     add_model_arguments(p)
     add_layout_arguments(p, for_search=True)
@@ -71,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--explain", type=int, default=1, help="print the breakdown of the first N layouts (default 1)")
     g.add_argument("--json", action="store_true", help="print every prediction as JSON instead of the table")
     g.add_argument("--calibrate", action="store_true",
-                   help="measure the rates on this machine's GPU and write --calibration-out (about a minute)")
+                   help="measure the rates on this machine's GPU and write --calibration-out (see below)")
     return p
 
 
@@ -103,7 +116,7 @@ def _calibrate(args) -> int:
 
     base = load_calibration(args.calibration)
     cal = calibrate(base, device=args.calibrate_device, gpu_kind=args.gpu_kind,
-                    log=lambda m: print(m, file=sys.stderr, flush=True))
+                    log=lambda m: print(m, file=sys.stderr, flush=True), quick=args.quick)
     dump_calibration(cal, args.calibration_out)
     print(f"wrote {args.calibration_out}")
     return 0

@@ -19,8 +19,9 @@ BERT_VOCAB = 30522
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model shape (the trainer's flags)")
-    g.add_argument("--model", choices=["gpt", "bert"], default="gpt", help="GPT (pretrain_gpt.py) or BERT "
-                   "(adds token-type embeddings, the LM-head transform, pooler and binary head)")
+    g.add_argument("--model", choices=["gpt", "bert"], default="gpt", help="GPT (pretrain_gpt.py, the default) or BERT "
+                   "(pretrain_bert.py: token-type embeddings, the LM-head transform, pooler and binary head, "
+                   "bidirectional attention with a padding mask)")
     g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
     g.add_argument("--hidden-size", type=int, required=True, help="hidden size h")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP inner size (default 4h)")
@@ -32,14 +33,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokenizer vocabulary before padding (default {GPT2_VOCAB} for GPT-2 BPE, {BERT_VOCAB} "
                         "for BERT WordPiece)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="the vocabulary is padded to a multiple of this x TP (Megatron's padding)")
+                   help="the vocabulary is padded to a multiple of this x TP (Megatron's padding; default 128)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output-layer weight (another V x h matrix on the last stage)")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
                    help="learned_absolute keeps a [max positions, h] table; rope keeps none")
     g.add_argument("--attention-dropout", type=float, default=0.1,
-                   help="attention dropout (flash attention keeps no mask; matters for --attention-backend unfused)")
-    g.add_argument("--hidden-dropout", type=float, default=0.1, help="hidden dropout (> 0 keeps two masks per layer)")
+                   help="attention dropout (default 0.1; flash attention keeps no mask: matters for "
+                        "--attention-backend unfused only)")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="hidden dropout (default 0.1; > 0 keeps two masks per layer)")
     g.add_argument("--bert-no-binary-head", action="store_true",
                    help="BERT without the pooler, binary head and token-type embeddings")
     g.add_argument("--global-batch-size", type=int, required=True, help="sequences per iteration")
@@ -65,31 +68,37 @@ def add_layout_arguments(p: argparse.ArgumentParser, for_search: bool) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per group (uniform) or recomputed layers per stage (block, selective)")
     g.add_argument("--recompute-modules", nargs="*", default=["core_attn", "mlp_act"],
-                   help="what selective recomputation covers: core_attn and/or mlp_act")
-    g.add_argument("--micro-batch-size", type=int, default=d, help="sequences per microbatch")
+                   help="what selective recomputation covers: core_attn and/or mlp_act (default both)")
+    g.add_argument("--micro-batch-size", type=int, default=d,
+                   help="sequences per microbatch (tools/plan.py: searched over --micro-batch-sizes when not given)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     g.add_argument("--fp16", action="store_true", help="fp16 parameters and activations")
-    g.add_argument("--fp8-format", default=None, help="FP8 GEMMs in the transformer layers (e.g. hybrid)")
-    g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per gradient bucket")
+    g.add_argument("--fp8-format", default=None,
+                   help="FP8 GEMMs in the transformer layers (e4m3 or hybrid; implies bf16 elsewhere)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (default: one bucket per model chunk)")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the DP reduction with backward")
     g.add_argument("--overlap-param-gather", action="store_true", help="overlap the param all-gather with forward")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="fused vocabulary cross-entropy (TP 1: no fp32 copy of the logits)")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
-                   help="adam keeps two fp32 moments per parameter, sgd one momentum")
+                   help="adam (default) keeps two fp32 moments per parameter, sgd one momentum")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="replay each iteration from a CUDA graph (1 GPU): the host's launch work is not paid")
     g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash", "cudnn", "unfused", "auto"],
-                   help="sdpa/flash/cudnn keep no s x s scores; unfused keeps them")
+                   help="sdpa (default), flash, cudnn and auto keep no s x s scores; unfused keeps them")
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, num_gpus_required: bool) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--num-gpus", type=int, required=num_gpus_required, default=None if num_gpus_required else 1,
                    help="GPUs in the job (= TP x PP x DP)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (collectives beyond it cross nodes)")
+    g.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node (default 8; collectives beyond it cross nodes)")
     g.add_argument("--gpu-memory-gb", type=float, default=141.0,
-                   help="memory per GPU in GB (1e9 bytes, as quoted by vendors; H200: 141, H100: 80)")
+                   help="memory per GPU in GB (1e9 bytes, as quoted by vendors; default 141 = H200, H100: 80)")
     g.add_argument("--gpu-kind", default="h200",
-                   help="calibration of the time model: a shipped kind (h200) or a JSON file from --calibrate")
+                   help="calibration of the time model: a shipped kind (default h200) or a JSON file from --calibrate")
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
@@ -117,7 +126,7 @@ def layout_switches(args: argparse.Namespace) -> dict:
                 last_stage_layers=args.decoder_last_pipeline_num_layers, ddp_bucket_size=args.ddp_bucket_size,
                 overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                 cross_entropy_fusion=args.cross_entropy_loss_fusion, optimizer=args.optimizer,
-                recompute_modules=tuple(args.recompute_modules),
+                recompute_modules=tuple(args.recompute_modules), cuda_graph=args.enable_cuda_graph,
                 attention_backend="sdpa" if args.attention_backend in ("auto", "flash", "cudnn") else
                 args.attention_backend)
 
@@ -187,7 +196,8 @@ def planner_argv(trainer: argparse.Namespace, vocab_size: Optional[int] = None) 
                        ("--use-distributed-optimizer", "use_distributed_optimizer"), ("--bf16", "bf16"),
                        ("--fp16", "fp16"), ("--overlap-grad-reduce", "overlap_grad_reduce"),
                        ("--overlap-param-gather", "overlap_param_gather"),
-                       ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion")):
+                       ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion"),
+                       ("--enable-cuda-graph", "enable_cuda_graph")):
         if getattr(t, name, False):
             argv.append(flag)
     return argv

@@ -13,8 +13,8 @@ tokenizer's vocabulary with ``--make-vocab-size-divisible-by``, ``--untie-embedd
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Iterable, List, Optional, Sequence
 
 from megatron.core.planner.memory import StageMemory, buckets_of, owned_elements, stage_memory
 from megatron.core.planner.shapes import Cluster, Layout, ModelShape, chunk_param_numels, check_layout, stage_chunks

@@ -90,7 +90,8 @@ class Layout:
     ``--micro-batch-size``; precision: bf16 (``--bf16``), fp8 (``--bf16 --fp8-format hybrid``), fp16, fp32;
     first/last_stage_layers: ``--decoder-first/last-pipeline-num-layers``; ddp_bucket_size: ``--ddp-bucket-size``;
     overlap_grad_reduce / overlap_param_gather: the ``--overlap-*`` flags; cross_entropy_fusion:
-    ``--cross-entropy-loss-fusion``; optimizer: ``--optimizer`` (adam or sgd).
+    ``--cross-entropy-loss-fusion``; optimizer: ``--optimizer`` (adam or sgd); cuda_graph: ``--enable-cuda-graph``
+    (the iteration replayed from a CUDA graph: no host floor in the time model).
     """
 
     tp: int = 1
@@ -113,6 +114,7 @@ class Layout:
     cross_entropy_fusion: bool = True
     optimizer: str = "adam"
     attention_backend: str = "sdpa"
+    cuda_graph: bool = False
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch_size"):

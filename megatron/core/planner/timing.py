@@ -6,7 +6,8 @@ FLOPs), the element-wise passes (LayerNorm, bias-dropout-add, GeLU, cross-entrop
 bandwidth), recomputation (the forward parts recomputed), exposed tensor-parallel collectives, and a fixed
 host overhead. The iteration is ``(m + (pp - 1) / vpp)`` microbatch times of the slowest pipeline rank (the
 1F1B bubble), plus exposed pipeline send/receive, the data-parallel gradient reduction (and the parameter
-all-gather of the distributed optimizer), the optimizer step, and a fixed per-iteration overhead.
+all-gather of the distributed optimizer), the optimizer step, and a fixed per-iteration overhead. A chunk never
+runs faster than its host floor (the measured Python and kernel-launch time per layer; none under a CUDA graph).
 """
 
 from __future__ import annotations
@@ -98,16 +99,18 @@ class ChunkTime:
     recompute: float
     tp_comm: float
     overhead: float
+    host: float = 0.0  # the host's Python and kernel-launch work: the GPU cannot finish sooner
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.elementwise + self.recompute + self.tp_comm + self.overhead
+        gpu = self.gemm + self.attention + self.elementwise + self.recompute + self.tp_comm
+        return max(gpu, self.host) + self.overhead
 
 
 def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, chunk: Chunk) -> ChunkTime:
     """Forward + backward of one microbatch through one chunk on one GPU."""
     s, b, h, f, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.ffn, layout.tp
-    a, d = shape.num_attention_heads, shape.hidden_size // shape.num_attention_heads
+    d = shape.hidden_size // shape.num_attention_heads  # head dim
     prec, tokens = layout.precision, s * b
     act = 4 if prec == "fp32" else 2
     ew_rate = cal["elementwise_gbps"] * 1e9
@@ -119,7 +122,10 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     attn_fwd_flops = 2.0 * s * s * b * h / t  # QK^T and xV, causal half
     if shape.model == "bert":
         attn_fwd_flops *= 2  # bidirectional: the whole s x s square
-    attn_rate = _interp([[float(k), v] for k, v in cal["attention_tflops"].items()], float(d)) * 1e12
+    # BERT: bidirectional attention with a key-padding mask (no flash kernel takes one): its own measured rate
+    table = cal.get("attention_masked_tflops") if shape.model == "bert" else None
+    table = table or cal["attention_tflops"]
+    attn_rate = _interp([[float(k), v] for k, v in table.items()], float(d)) * 1e12
     attn_fwd = attn_fwd_flops / attn_rate
     if layout.attention_backend == "unfused":
         attn_fwd *= 2.0
@@ -153,17 +159,26 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     tp_comm = L * n_coll * per if t > 1 else 0.0
     over = cal["overheads"]
     overhead = L * over.get("per_layer_ms", 0.0) * 1e-3
+    # host floor: forward + backward of each layer, plus the forward again of every fully recomputed layer
+    # (a third of the layer's launches); measured by --calibrate (absent: no floor)
+    host_layer = over.get("host_ms_per_layer", {}).get("fp8" if prec == "fp8" else "bf16", 0.0) * 1e-3
+    n_full = 0 if g != "full" else (L if layout.recompute_method == "uniform" else
+                                    min(L, layout.recompute_num_layers or 1))
+    host = 0.0 if layout.cuda_graph else host_layer * (L + n_full / 3)  # a replayed graph launches nothing
     if chunk.pre:
         ew += 8 * tokens * h / ew_rate
     if chunk.post:
         v = shape.padded_vocab(t)
         gemm += 3 * gemm_seconds(cal, tokens, v // t, h, "bf16" if prec == "fp8" else prec)
-        fused = layout.cross_entropy_fusion and t == 1
+        fused = layout.cross_entropy_fusion and t == 1 and shape.model == "gpt"  # BERT: the eager loss
         ew += (4 if fused else 28) * tokens * v / t / ew_rate
         ew += (4 + 8) * act / 2 * tokens * h / sp_div / ew_rate  # final LayerNorm forward and backward
+        if shape.model == "bert":  # LM-head transform: dense h x h, GeLU and LayerNorm, forward and backward
+            gemm += 3 * gemm_seconds(cal, tokens, h, h, "bf16" if prec == "fp8" else prec)
+            ew += (5 + 12) * act / 2 * tokens * h / sp_div / ew_rate
         if t > 1:  # the output layer's input: gathered (SP) or all-reduced in backward
             tp_comm += (2 if layout.sp else 1) * ring_seconds(cal, msg, t, tp_spans, "ag" if layout.sp else "ar")
-    return ChunkTime(gemm, attention, ew, rec, tp_comm, overhead)
+    return ChunkTime(gemm, attention, ew, rec, tp_comm, overhead, host)
 
 
 @dataclass

@@ -105,3 +105,60 @@ def test_in_flight_microbatches_follow_the_schedule():
     # at most four chunk-0 and one chunk-1 microbatches alive at once
     assert in_flight_peak(Layout(pp=2, vpp=2), 0, 4, [10.0, 1.0]) == 4 * 10.0 + 1 * 1.0
     assert in_flight_peak(Layout(), 0, 8, [5.0]) == 5.0
+
+
+def _bert_head_saved_and_predicted(pstate, sp: bool):
+    """(bytes autograd saves in BERT's last stage outside the layers, the planner's kept + loss-buffer bytes)."""
+    from megatron.core.models.bert import BertModel
+    from megatron.core.planner.memory import chunk_activations
+    from megatron.core.planner.shapes import Chunk
+
+    h, a, v, t = 64, 4, 512, pstate.tp_size
+    tensor_parallel.model_parallel_seed(1234, pstate)
+    cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=S, attention_dropout=0.0,
+                            hidden_dropout=0.0, params_dtype=torch.bfloat16, padded_vocab_size=v,
+                            attention_mask_type="padding", gradient_accumulation_fusion=False, sequence_parallel=sp)
+    model = BertModel(cfg, pstate, pre_process=False, post_process=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(x):
+        st = x.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return x
+
+    x = torch.randn(S // t if sp else S, B, h, dtype=torch.bfloat16, requires_grad=True)  # the last layer's output
+    labels = torch.randint(0, v, (B, S))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        hidden = model.encoder.final_layernorm(x)
+        loss, binary = model._lm_output(model.lm_head(hidden), labels), model.binary_head(model.pooler(hidden))
+    (loss.sum() + binary.float().sum()).backward()
+    shape = ModelShape(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=S, model="bert", vocab_size=v,
+                       attention_dropout=0.0, hidden_dropout=0.0)
+    layout = Layout(tp=t, sp=sp, micro_batch_size=B, cross_entropy_fusion=True)  # BERT: the eager loss regardless
+    acts = chunk_activations(shape, layout, Chunk(0, pre=False, post=True))
+    fp32_logits = 4 * S * B * v // t
+    assert acts.transient == 2 * S * B * v // t + fp32_logits
+    return sum(seen.values()), acts.kept + fp32_logits
+
+
+def test_bert_head_bytes_match_autograd():
+    """BERT's last stage outside the layers: final LayerNorm, LM-head transform, every position's logits with the
+    eager loss's fp32 copy, pooler and binary head; the planner's bytes against what autograd keeps."""
+    saved, predicted = _bert_head_saved_and_predicted(ParallelState.single(), sp=False)
+    assert saved == predicted
+
+
+def _bert_tp_body(rank, world_size):
+    pstate = ParallelState.build(tensor_model_parallel_size=world_size)
+    for sp in (False, True):
+        saved, predicted = _bert_head_saved_and_predicted(pstate, sp)
+        assert saved == predicted, (sp, saved, predicted)
+
+
+def test_bert_head_bytes_under_tensor_and_sequence_parallelism():
+    run_distributed(_bert_tp_body, world_size=2)

@@ -104,12 +104,15 @@ def test_prediction_does_not_fit_reports_by_how_much():
 def test_calibrate_on_cpu_writes_a_usable_file(tmp_path, capsys, monkeypatch):
     out = tmp_path / "cpu.json"
     monkeypatch.setattr(sys, "argv", ["plan.py", "--calibrate", "--calibrate-device", "cpu",
-                                      "--calibration-out", str(out)])
+                                      "--calibration-out", str(out), "--quick"])
     assert plan.main() == 0
     cal = load_calibration(str(out))
     assert cal["gemm_tflops"]["bf16"] and all(r > 0 for _, r in cal["gemm_tflops"]["bf16"])
     assert set(cal["attention_tflops"]) == {"64", "128"} and cal["elementwise_gbps"] > 0
-    assert "overheads" in cal["carried_over"] and "memory.outside_allocator_bytes" in cal["carried_over"]
+    assert set(cal["attention_masked_tflops"]) == {"64"} and cal["attention_masked_tflops"]["64"] > 0
+    assert cal["overheads"]["host_ms_per_layer"]["bf16"] > 0  # measured, not carried over
+    assert "overheads.per_iteration_ms" in cal["carried_over"]
+    assert "memory.outside_allocator_bytes" in cal["carried_over"]
     shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
     pred = predict(shape, Layout(), Cluster(num_gpus=1, gpu_memory_gb=1), cal, 4)
     assert pred.ms_per_iter > 0

@@ -1,0 +1,127 @@
+"""bench/plan_validation.py and megatron/core/planner/validation.py: measurement records, their comparison with
+the predictions of several calibrations, and the whole --run path at tiny shapes on the CPU."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.core.planner import load_calibration, predict
+from megatron.core.planner.flags import inputs_from_argv
+from megatron.core.planner.validation import compare, load_measurements, markdown, summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("plan_validation", os.path.join(ROOT, "bench", "plan_validation.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _record(name, flags, ms, gib, gpus=1):
+    return {"config": name, "command": f"pretrain_gpt.py {flags}", "planner_flags": flags, "gpus": gpus,
+            "measured_ms_per_iter": ms, "measured_peak_mem_gib": gib}
+
+
+def test_every_configuration_is_predicted_and_covers_the_required_kinds():
+    bench = _bench()
+    names = [c[0] for c in bench.CONFIGS]
+    assert len(names) >= 12 and len(set(names)) == len(names)
+    assert sum(c[1] == "pretrain_bert.py" for c in bench.CONFIGS) >= 2
+    flags = [c[3] for c in bench.CONFIGS]
+    for needle in ("--hidden-size 768", "--hidden-size 2048", "--hidden-size 1024", "--recompute-granularity full",
+                   "--recompute-granularity selective", "--fp8-format hybrid", "--micro-batch-size 1 ",
+                   "--micro-batch-size 8 "):
+        assert any(needle in f for f in flags), needle
+    cal = load_calibration("h200")
+    for name, entry, gpus, f in bench.CONFIGS + bench.TINY:  # every flag set parses and fits one H200
+        extra = " --model bert --vocab-size 30522" if entry == "pretrain_bert.py" else ""
+        shape, layout, cluster, gbs = inputs_from_argv((f + " " + bench.COMMON + extra).split(), num_gpus=gpus)
+        assert predict(shape, layout, cluster, cal, gbs).fits, name
+
+
+def test_compare_predicts_each_record_with_every_calibration(tmp_path):
+    base = load_calibration("h200")
+    slow = dict(base, gemm_tflops={k: [[x, r / 2] for x, r in v] for k, v in base["gemm_tflops"].items()})
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+             "--global-batch-size 4 --bf16")
+    shape, layout, cluster, gbs = inputs_from_argv(flags.split(), num_gpus=1)
+    fast_pred, slow_pred = predict(shape, layout, cluster, base, gbs), predict(shape, layout, cluster, slow, gbs)
+    assert slow_pred.ms_per_iter > fast_pred.ms_per_iter
+    ms, gib = round(slow_pred.ms_per_iter, 1), round(fast_pred.peak_bytes / 2 ** 30 * 1.2, 3)
+    rows = compare([_record("tiny", flags, ms, gib)], {"slow": slow, "shipped": base})
+    row = rows[0]
+    assert row["predicted_ms_per_iter"] == row["by_calibration"]["slow"]["predicted_ms_per_iter"] == ms
+    assert row["time_error"] == 0.0 and row["time_within_15pct"]
+    assert row["by_calibration"]["shipped"]["time_error"] == pytest.approx(round(fast_pred.ms_per_iter, 1) / ms - 1,
+                                                                          abs=1e-4)
+    assert row["mem_error"] == pytest.approx(round(fast_pred.peak_bytes / 2 ** 30, 2) / gib - 1, abs=1e-4)
+    assert not row["mem_within_10pct"]  # 1/1.2 - 1 = -17%
+    assert summary(rows) == "memory within +-10%: 0/1; time within +-15%: 1/1"
+    text = markdown(rows, "t", {"slow": "a.json", "shipped": "b.json"}, "cmd")
+    assert "| tiny |" in text and "slow ms" in text and "shipped ms" in text
+
+
+def test_load_measurements_names_the_file_and_the_missing_key(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"measurements": [{"config": "x", "gpus": 1}]}))
+    with pytest.raises(ValueError, match=r"m\.json: record 0 lacks command, planner_flags"):
+        load_measurements(str(path))
+    path.write_text("{")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        load_measurements(str(path))
+
+
+def test_tiny_run_calibrates_measures_and_compares_again(tmp_path):
+    """The GPU command at tiny shapes on the CPU: calibration first, one configuration measured by its own
+    process, the results written; then the saved measurements predicted again without running anything."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plan_validation.py"), "--run", "--tiny",
+                           "--calibrate-first", "--only", "tiny_gpt_mb2_selective", "--iters", "1", "--warmup", "1",
+                           "--results-dir", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tiny_gpt_mb2_selective:" in proc.stdout and "done in" in proc.stdout
+    cal = load_calibration(str(out / "cpu.json"))
+    assert cal["gpu_kind"] == "cpu" and cal["overheads"]["host_ms_per_layer"]["bf16"] > 0
+    records = load_measurements(str(out / "plan_measurements.json"))
+    assert [r["config"] for r in records] == ["tiny_gpt_mb2_selective"]
+    assert records[0]["measured_ms_per_iter"] > 0 and len(records[0]["iter_ms"]) == 1
+    with open(out / "plan_validation.json") as f:
+        rows = json.load(f)
+    assert set(rows[0]["by_calibration"]) == {"calibrated", "shipped"}
+    for key in ("config", "command", "predicted_peak_mem_gib", "measured_peak_mem_gib", "predicted_ms_per_iter",
+                "measured_ms_per_iter"):
+        assert key in rows[0]
+    assert (out / "plan_validation.md").read_text().count("| tiny_gpt_mb2_selective |") == 1
+    assert (out / "plan_validation_logs" / "tiny_gpt_mb2_selective.log").stat().st_size > 0
+    # comparison apart from measurement: the saved records give the same rows again
+    again = compare(records, {"calibrated": cal, "shipped": load_calibration("h200")})
+    assert again == rows
+
+
+def test_host_floor_bounds_small_runs_and_cuda_graphs_remove_it():
+    from megatron.core.planner import Cluster, Layout, ModelShape
+
+    shipped = load_calibration("h200")
+    floor = dict(shipped, overheads={**shipped["overheads"], "host_ms_per_layer": {"bf16": 1.0, "fp8": 2.0}})
+    shape = ModelShape(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024)
+    one = Cluster(num_gpus=1, gpu_memory_gb=141)
+
+    def per_mb(layout, cal):
+        return predict(shape, layout, one, cal, 16).time.per_microbatch * 1e3
+
+    fixed = shipped["overheads"]["per_microbatch_ms"]
+    assert per_mb(Layout(), shipped) < 12.0  # the GPU work of 1 x 1024 tokens is far below 12 ms
+    assert per_mb(Layout(), floor) == pytest.approx(12 * 1.0 + fixed)  # host-bound: the floor decides
+    assert per_mb(Layout(precision="fp8"), floor) == pytest.approx(12 * 2.0 + fixed)
+    full = Layout(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert per_mb(full, floor) == pytest.approx(12 * (1 + 1 / 3) + fixed)  # the recomputed forwards launch again
+    assert per_mb(Layout(cuda_graph=True), floor) == per_mb(Layout(), shipped)
+    big = Layout(micro_batch_size=16)  # GPU-bound: 16k tokens take longer than the floor
+    assert per_mb(big, floor) == per_mb(big, shipped)
