@@ -1,0 +1,120 @@
+"""The trainer's ``--load`` (``megatron.training.checkpointing.load_checkpoint``) on Megatron-LM checkpoints written
+by Megatron-Core's own code (tests/unit/checkpoint/fixtures/make_megatron_fixture.py says how): model, mixed-precision
+optimizer, sample-based scheduler, RNG, iteration and consumed samples carry over, and the next ten losses are
+Megatron-Core's own continuation of the run; ``--finetune``, ``--no-load-optim`` and ``--no-load-rng`` work; a
+``torch_dist`` folder loads with ``--no-load-optim`` and says that it needs it otherwise."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.checkpoint_formats import dims_from_args, load_megatron_file, read_megatron_checkpoint
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.parallel_state import ParallelState
+from megatron.training import checkpointing
+from megatron.training.config import CheckpointConfig
+from megatron.training.scheduler import OptimizerParamScheduler
+from tests.unit.checkpoint.helpers import FIXTURE, build_stage
+
+DIST_FIXTURE = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_dist")
+RAW = os.path.join(FIXTURE, "iter_0000003", "mp_rank_00", "model_optim_rng.pt")
+
+
+def _cfg(load, **flags):
+    base = dict(save=None, load=load, save_interval=None, no_save_optim=False, no_save_rng=False,
+                no_load_optim=False, no_load_rng=False, finetune=False, use_checkpoint_args=False,
+                exit_on_missing_checkpoint=False, ckpt_fallback_on_corruption=False, keep_last_checkpoints=None)
+    base.update(flags)
+    return CheckpointConfig(**base)
+
+
+def _golden():
+    return torch.load(os.path.join(FIXTURE, "golden.pt"), weights_only=True)
+
+
+def _run_state(seed: int = 5):
+    """This run's bf16 model (randomly initialised: everything must come from the file), its mixed-precision
+    optimizer and its scheduler built from the run's own flags (those of the Megatron-LM run)."""
+    dims = dims_from_args(read_megatron_checkpoint(FIXTURE, load_optim=False, load_rng=False).args_dict)
+    model = build_stage(dims, ParallelState.single(), dtype=torch.bfloat16, seed=seed)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, weight_decay=0.01, clip_grad=0.0,
+                                                 adam_beta1=0.9, adam_beta2=0.95), [model], ParallelState.single())
+    sched = OptimizerParamScheduler(opt, 1e-3, 1e-4, 2, 10, "cosine", 0.01)
+    return model, opt, sched
+
+
+def _train(model, opt, sched, first: int, count: int) -> torch.Tensor:
+    data = _golden()["data"]  # [iterations, micro batch, seq + 1]: the fixture run's batches
+    pos = torch.arange(data.shape[2] - 1).unsqueeze(0).expand(data.shape[1], -1)
+    model.train()
+    losses = []
+    for it in range(first, first + count):
+        loss = model(data[it, :, :-1], pos, labels=data[it, :, 1:]).float().mean()
+        opt.zero_grad()
+        loss.backward()
+        assert opt.step()[0]
+        sched.step()
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+def test_load_resumes_a_megatron_lm_checkpoint_on_megatron_cores_curve(capsys):
+    model, opt, sched = _run_state()
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    iteration, consumed = checkpointing.load_checkpoint([model], opt, sched, _cfg(FIXTURE), ParallelState.single())
+    assert (iteration, consumed, sched.num_steps) == (3, 6, 3)
+    assert "Megatron-LM checkpoint" in capsys.readouterr().out
+    # the RNG streams are the saved ones (data-parallel rank 0's)
+    r = load_megatron_file(RAW)["rng_state"][0]
+    assert random.getstate() == r["random_rng_state"]
+    assert torch.equal(torch.get_rng_state(), r["torch_rng_state"])
+    # the data position carries over (consumed samples / global batch); bf16, within 1e-3 of Megatron-Core
+    got = _train(model, opt, sched, consumed // 2, 10)
+    want = _golden()["resumed_losses"]
+    assert (got - want).abs().max().item() < 1e-3, (got, want)
+
+
+def test_no_load_optim_and_finetune_load_the_model_only():
+    want = _golden()["resumed_losses"]
+    model, opt, sched = _run_state()
+    iteration, consumed = checkpointing.load_checkpoint([model], opt, sched, _cfg(FIXTURE, no_load_optim=True),
+                                                        ParallelState.single())
+    assert (iteration, consumed, sched.num_steps) == (3, 6, 0)
+    assert not any(opt.optimizer.state.values())  # Adam moments untouched
+    got = _train(model, opt, sched, 3, 1)
+    assert abs(got[0].item() - want[0].item()) < 1e-3  # same weights: Megatron-Core's first loss
+
+    model, opt, sched = _run_state()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    assert checkpointing.load_checkpoint([model], opt, sched, _cfg(FIXTURE, finetune=True),
+                                         ParallelState.single()) == (0, 0)
+    assert sched.num_steps == 0 and torch.equal(torch.get_rng_state(), before)  # no RNG, no optimizer
+    got = _train(model, opt, sched, 3, 10)
+    assert (got - want).abs().max().item() > 1e-2  # a fresh optimizer and schedule leave the curve
+
+
+def test_torch_dist_loads_with_no_load_optim_and_names_the_flag_otherwise(capsys):
+    model, opt, sched = _run_state()
+    with pytest.raises(checkpointing.CheckpointError, match="torch_dist.*--no-load-optim"):
+        checkpointing.load_checkpoint([model], opt, sched, _cfg(DIST_FIXTURE), ParallelState.single())
+    iteration, consumed = checkpointing.load_checkpoint([model], opt, sched, _cfg(DIST_FIXTURE, no_load_optim=True),
+                                                        ParallelState.single())
+    assert (iteration, consumed) == (3, 6)
+    assert "RNG state not restored" in capsys.readouterr().out
+    got = _train(model, opt, sched, 3, 1)
+    assert abs(got[0].item() - _golden()["resumed_losses"][0].item()) < 1e-3
+
+
+def test_a_model_of_other_sizes_is_one_line_naming_the_folder():
+    dims = dims_from_args(read_megatron_checkpoint(FIXTURE, load_optim=False, load_rng=False).args_dict)
+    from dataclasses import replace
+
+    model = build_stage(replace(dims, ffn_hidden_size=32), ParallelState.single(), dtype=torch.bfloat16)
+    with pytest.raises(checkpointing.CheckpointError) as info:
+        checkpointing.load_checkpoint([model], None, None, _cfg(FIXTURE, no_load_rng=True), ParallelState.single())
+    message = str(info.value)
+    assert "\n" not in message and FIXTURE in message and "does not fit this model" in message
