@@ -20,6 +20,7 @@ from megatron.core import tensor_parallel
 from megatron.core.checkpoint_formats.common import rank_files
 from megatron.core.checkpoint_formats.load_time import checkpoint_format, saved_layout
 from megatron.core.checkpoint_formats.reshard import layout_of
+from megatron.core.checkpoint_formats.safe_load import to_plain
 from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpoint_folder as cfold
@@ -112,9 +113,24 @@ def read_tracker(root: str) -> int:
 
 
 def read_saved_args(root: str) -> dict:
-    """The stored arguments of the latest checkpoint under ``root`` (any rank's file; weights not read)."""
+    """The stored arguments of the latest checkpoint under ``root`` (any rank's file; weights not read), as plain
+    types; Megatron-LM's checkpoints (a pickled ``argparse.Namespace``, or ``common.pt`` of a ``torch_dist``
+    folder) are read through the safe unpickler."""
     iteration = read_tracker(root)
     it_dir = os.path.join(root, "release" if iteration == 0 else f"iter_{iteration:07d}")
+    fmt = checkpoint_format(it_dir) if os.path.isdir(it_dir) else None
+    if fmt in ("megatron", "torch_dist"):
+        path = os.path.join(it_dir, "common.pt") if fmt == "torch_dist" else next(iter(rank_files(it_dir).values()))
+        try:
+            saved = formats.load_megatron_file(path).get("args")
+        except (formats.CheckpointFormatError, OSError) as exc:
+            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        if saved is None:
+            raise CheckpointError(f"checkpoint {path} holds no stored arguments")
+        plain = to_plain(saved)
+        if "norm_epsilon" not in plain and plain.get("layernorm_epsilon") is not None:
+            plain["norm_epsilon"] = plain["layernorm_epsilon"]
+        return plain
     ranks = sorted(d for d in os.listdir(it_dir) if d.startswith("mp_rank_")) if os.path.isdir(it_dir) else []
     if not ranks:
         raise CheckpointError(f"no mp_rank_* folder in {it_dir}")

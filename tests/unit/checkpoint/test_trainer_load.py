@@ -118,3 +118,14 @@ def test_a_model_of_other_sizes_is_one_line_naming_the_folder():
         checkpointing.load_checkpoint([model], None, None, _cfg(FIXTURE, no_load_rng=True), ParallelState.single())
     message = str(info.value)
     assert "\n" not in message and FIXTURE in message and "does not fit this model" in message
+
+
+@pytest.mark.parametrize("root", [FIXTURE, DIST_FIXTURE], ids=["legacy", "torch_dist"])
+def test_use_checkpoint_args_takes_the_model_flags_from_a_megatron_lm_checkpoint(root):
+    from megatron.training.arguments import parse_config
+
+    cfg, _ = parse_config(["--mock-data", "--load", root, "--use-checkpoint-args", "--micro-batch-size", "2",
+                           "--global-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length) == (2, 64, 4, 64, 16)
+    assert m.make_vocab_size_divisible_by == 64 and m.norm_epsilon == 1e-5
