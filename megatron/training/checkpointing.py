@@ -308,9 +308,11 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
         try:
             chunk.load_state_dict(sd, strict=True)
         except RuntimeError as exc:
-            first = str(exc).strip().splitlines()
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            detail = [line for line in lines[1:] if line.startswith(("size mismatch", "Missing", "Unexpected"))]
+            more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
             raise CheckpointError(f"--load {root}: the {what} does not fit this model: "
-                                  f"{' '.join(line.strip() for line in first)}") from exc
+                                  f"{detail[0] if detail else lines[0]}{more}") from exc
     if ckpt.extra.get("fp8_delayed_scaling") is not None:
         _print0("FP8 delayed-scaling state not restored (the checkpoint was resharded); its sites start with "
                 "current scaling")

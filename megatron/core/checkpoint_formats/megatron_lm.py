@@ -31,13 +31,20 @@ CHECKPOINT_VERSION = 3.0
 DISTRIB_OPTIM = "distrib_optim.pt"
 
 
+def _tensorless(opt_sd: dict) -> bool:
+    """The distributed optimizer's ``state_dict()``: param groups only (its tensors live in distrib_optim.pt)."""
+    inner = opt_sd.get("optimizer")
+    return (isinstance(inner, dict) and "state" not in inner and "fp32_from_fp16_params" not in opt_sd
+            and "param_groups" in inner)
+
+
 def _distributed_to_named(opt_sd: dict, distrib: str, mg_chunks, plain_mg, args: Dict[str, Any], rank, family,
                           where: str):
     """The distributed optimizer's state of one rank (``distrib_optim.pt`` + the param groups in
     ``model_optim_rng.pt``) by parameter name; see ``distrib_optim.py``."""
     if not os.path.exists(distrib):
-        raise CheckpointFormatError(f"{where} was saved with --use-distributed-optimizer but {distrib} is missing; "
-                                    "load without the optimizer (--no-load-optim)")
+        raise CheckpointFormatError(f"{where} holds a distributed optimizer's param groups but {distrib} is "
+                                    "missing; load without the optimizer (--no-load-optim)")
     pp_size = int(args.get("pipeline_model_parallel_size") or 1)
     tied = not args.get("untie_embeddings_and_output_weights", False)
     own_bucket = ("embedding.word_embeddings.weight", family.tied_output) if (tied and pp_size > 1) else ()
@@ -141,7 +148,7 @@ def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: b
         if load_optim and state.get("optimizer") is not None:
             plain_mg = [to_family_order(c, family, megatron=True) for c in mg_chunks]
             distrib = os.path.join(os.path.dirname(path), DISTRIB_OPTIM)
-            if os.path.exists(distrib) or args.get("use_distributed_optimizer"):
+            if os.path.exists(distrib) or _tensorless(state["optimizer"]):
                 n, meta = _distributed_to_named(state["optimizer"], distrib, mg_chunks, plain_mg, args, rank,
                                                 family, path)
             else:
@@ -203,7 +210,8 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
         virtual_pipeline_model_parallel_size=None, consumed_train_samples=consumed,
         consumed_valid_samples=int(args.get("consumed_valid_samples") or 0), iteration=iteration,
         params_dtype=_DTYPES.get(dims.params_dtype, torch.float32), bf16=dims.params_dtype == "bfloat16",
-        fp16=dims.params_dtype == "float16", ckpt_format="torch")
+        fp16=dims.params_dtype == "float16", ckpt_format="torch",
+        use_distributed_optimizer=False)  # the optimizer is written in the non-distributed layout
     return argparse.Namespace(**plain)
 
 

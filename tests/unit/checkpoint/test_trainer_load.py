@@ -35,10 +35,10 @@ def _golden():
     return torch.load(os.path.join(FIXTURE, "golden.pt"), weights_only=True)
 
 
-def _run_state(seed: int = 5):
+def _run_state(seed: int = 5, root: str = FIXTURE):
     """This run's bf16 model (randomly initialised: everything must come from the file), its mixed-precision
     optimizer and its scheduler built from the run's own flags (those of the Megatron-LM run)."""
-    dims = dims_from_args(read_megatron_checkpoint(FIXTURE, load_optim=False, load_rng=False).args_dict)
+    dims = dims_from_args(read_megatron_checkpoint(root, load_optim=False, load_rng=False).args_dict)
     model = build_stage(dims, ParallelState.single(), dtype=torch.bfloat16, seed=seed)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, weight_decay=0.01, clip_grad=0.0,
                                                  adam_beta1=0.9, adam_beta2=0.95), [model], ParallelState.single())
@@ -197,3 +197,44 @@ def test_distributed_optimizer_checkpoint_resumes_on_megatron_cores_curve(tmp_pa
     assert (got["losses"] - want).abs().max().item() < 1e-3, (got["losses"], want)
     # without the optimizer state (moments, fp32 main params, schedule position) the curve is far off
     assert (results["no_optim"]["losses"] - want).abs().max().item() > 1e-2
+
+
+def test_converter_carries_distrib_optim_state_through_ours_tp2_and_back(tmp_path, capsys):
+    from megatron.core.checkpoint_formats import read_our_checkpoint
+    from tests.unit.checkpoint.test_convert import _run
+
+    ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
+    rc, out, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir",
+                        DISTOPT_FIXTURE, "--save-dir", ours, "--target-tensor-parallel-size", "2",
+                        "--reshard-optimizer")
+    assert rc == 0, err
+    assert read_our_checkpoint(ours).optimizer[(1, 0)]["distributed_optimizer"]  # the source's wrapper
+    rc, out, err = _run(capsys, "--model-type", "GPT", "--loader", "ours", "--saver", "megatron", "--load-dir", ours,
+                        "--save-dir", back, "--target-tensor-parallel-size", "1", "--reshard-optimizer",
+                        "--true-vocab-size", "64")
+    assert rc == 0, err
+    want, _ = read_megatron_checkpoint(DISTOPT_FIXTURE).extra["optimizer_by_name"][(0, 0)]
+    got, meta = read_megatron_checkpoint(back).extra["optimizer_by_name"][(0, 0)]
+    assert meta["step"] == 3.0 and set(got[0]) == set(want[0])
+    for name, entry in want[0].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(got[0][name][key], value, atol=0, rtol=0, msg=f"{name} {key}")
+
+
+def test_distrib_optim_missing_or_in_an_older_layout_is_one_line(tmp_path):
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(DISTOPT_FIXTURE, root)
+    distrib = root / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt"
+    torch.save({0: {}}, distrib)  # per-bucket files of older Megatron-Core releases lack "buckets_coalesced"
+    with pytest.raises(Exception, match="bucket-coalesced layout"):
+        read_megatron_checkpoint(str(root))
+    distrib.unlink()
+    with pytest.raises(Exception, match="distrib_optim.pt is missing.*--no-load-optim"):
+        read_megatron_checkpoint(str(root))
+    model, opt, sched = _run_state(root=DISTOPT_FIXTURE)
+    with pytest.raises(checkpointing.CheckpointError, match="distrib_optim.pt is missing"):
+        checkpointing.load_checkpoint([model], opt, sched, _cfg(str(root), no_load_rng=True), ParallelState.single())
+    assert checkpointing.load_checkpoint([model], opt, sched, _cfg(str(root), no_load_rng=True, no_load_optim=True),
+                                         ParallelState.single()) == (3, 12)
