@@ -238,3 +238,19 @@ def test_distrib_optim_missing_or_in_an_older_layout_is_one_line(tmp_path):
         checkpointing.load_checkpoint([model], opt, sched, _cfg(str(root), no_load_rng=True), ParallelState.single())
     assert checkpointing.load_checkpoint([model], opt, sched, _cfg(str(root), no_load_rng=True, no_load_optim=True),
                                          ParallelState.single()) == (3, 12)
+
+
+def test_buffer_offsets_match_megatron_cores_grad_buffer():
+    """Offsets in the flat tensors for alignment, bucket cuts and the tied embedding's own bucket, against
+    Megatron-Core's ``_ParamAndGradBuffer`` (fixtures/make_distopt_offsets_golden.py)."""
+    import json
+
+    from megatron.core.checkpoint_formats.distrib_optim import buffer_offsets
+
+    cases = json.load(open(os.path.join(os.path.dirname(FIXTURE), "distopt_offsets.json")))
+    assert len(cases) == 7 and {c["buckets"] for c in cases} >= {1, 2, 6}
+    for case in cases:
+        params = [(f"p{i}", n) for i, n in enumerate(case["sizes"])]
+        offsets, length = buffer_offsets(params, case["bucket_size"], tuple(f"p{i}" for i in case["shared"]))
+        assert [offsets[n] for n, _ in params] == case["offsets"], case
+        assert length == case["numel_unpadded"], case
