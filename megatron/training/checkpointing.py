@@ -214,7 +214,8 @@ def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
 
 
 # ---- checkpoints that need converting: another TP/PP, Megatron-LM's legacy files, torch_dist ----------------------
-_FORMAT_NAMES = {"ours": "checkpoint", "megatron": "Megatron-LM checkpoint", "torch_dist": "Megatron-Core torch_dist checkpoint"}
+_FORMAT_NAMES = {"ours": "checkpoint", "megatron": "Megatron-LM checkpoint",
+                 "torch_dist": "Megatron-Core torch_dist checkpoint"}
 
 
 def _print0(message: str) -> None:
@@ -270,9 +271,9 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
     if fmt == "torch_dist" and want_optim:
         raise CheckpointError(f"{iter_folder} is a {what}: its optimizer state is not read; resume it with "
                               "--no-load-optim (or --finetune)")
-    family = _family_of(model)
     vpp = len(model) if len(model) > 1 else None
     try:
+        family = _family_of(model)
         if fmt == "ours":
             files = rank_files(iter_folder)
             rels = [os.path.relpath(p, iter_folder) for p in files.values()]
