@@ -323,7 +323,12 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
         if optim_state is None or ckpt.scheduler is None:
             raise CheckpointError(f"--load {root}: the {what} holds no optimizer state; use --no-load-optim or "
                                   "--finetune")
-        optimizer.load_state_dict(optim_state)
+        try:
+            optimizer.load_state_dict(optim_state)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointError(f"--load {root}: the {what}'s optimizer state does not fit this run's optimizer: "
+                                  f"{first}") from exc
         scheduler.load_state_dict(ckpt.scheduler)
     if want_rng:
         if rng is not None:
@@ -336,7 +341,6 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
         else:
             raise CheckpointError(f"--load {root}: the {what} holds no RNG state; use --no-load-rng")
     return int(ckpt.iteration), int(ckpt.consumed_samples)
-
 
 
 def latest_iteration(root: Optional[str]) -> Optional[int]:
