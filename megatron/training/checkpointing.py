@@ -8,13 +8,19 @@ the manifest (see docs/reliability.md). Files hold plain types only and load wit
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron.core import checkpoint_formats as formats
 from megatron.core import tensor_parallel
+from megatron.core.checkpoint_formats.common import rank_files
+from megatron.core.checkpoint_formats.load_time import checkpoint_format, saved_layout
+from megatron.core.checkpoint_formats.reshard import layout_of
+from megatron.core.checkpoint_formats.safe_load import to_plain
 from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpoint_folder as cfold
@@ -107,9 +113,24 @@ def read_tracker(root: str) -> int:
 
 
 def read_saved_args(root: str) -> dict:
-    """The stored arguments of the latest checkpoint under ``root`` (any rank's file; weights not read)."""
+    """The stored arguments of the latest checkpoint under ``root`` (any rank's file; weights not read), as plain
+    types; Megatron-LM's checkpoints (a pickled ``argparse.Namespace``, or ``common.pt`` of a ``torch_dist``
+    folder) are read through the safe unpickler."""
     iteration = read_tracker(root)
     it_dir = os.path.join(root, "release" if iteration == 0 else f"iter_{iteration:07d}")
+    fmt = checkpoint_format(it_dir) if os.path.isdir(it_dir) else None
+    if fmt in ("megatron", "torch_dist"):
+        path = os.path.join(it_dir, "common.pt") if fmt == "torch_dist" else next(iter(rank_files(it_dir).values()))
+        try:
+            saved = formats.load_megatron_file(path).get("args")
+        except (formats.CheckpointFormatError, OSError) as exc:
+            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        if saved is None:
+            raise CheckpointError(f"checkpoint {path} holds no stored arguments")
+        plain = to_plain(saved)
+        if "norm_epsilon" not in plain and plain.get("layernorm_epsilon") is not None:
+            plain["norm_epsilon"] = plain["layernorm_epsilon"]
+        return plain
     ranks = sorted(d for d in os.listdir(it_dir) if d.startswith("mp_rank_")) if os.path.isdir(it_dir) else []
     if not ranks:
         raise CheckpointError(f"no mp_rank_* folder in {it_dir}")
@@ -127,6 +148,8 @@ def read_saved_args(root: str) -> dict:
 def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: ParallelState) -> tuple:
     """Load ``cfg.load`` into the model (and optimizer, scheduler, RNG unless told not to).
 
+    Our checkpoints saved at this run's TP/PP load rank by rank; one saved at another TP/PP, and Megatron-LM's
+    legacy or ``torch_dist`` checkpoints, go through ``_load_converted`` (read every rank, reshard, map).
     Returns ``(iteration, consumed_train_samples)``; ``(0, 0)`` when finetuning. Raises ``CheckpointError``
     with the path and the reason on a missing, corrupt or incompatible checkpoint.
     """
@@ -134,8 +157,14 @@ def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
     if not os.path.isdir(root):
         raise CheckpointError(f"--load directory {root} does not exist")
     iteration = read_tracker(root)
+    iter_folder = os.path.join(root, "release" if iteration == 0 else f"iter_{iteration:07d}")
+    fmt = checkpoint_format(iter_folder) if os.path.isdir(iter_folder) else None
+    if fmt in ("megatron", "torch_dist"):
+        return _load_converted(model, optimizer, scheduler, cfg, pstate, iteration, iter_folder, fmt)
+    layout = saved_layout(iter_folder) if fmt == "ours" else None
+    if layout is not None and layout != (pstate.tp_size, pstate.pp_size):
+        return _load_converted(model, optimizer, scheduler, cfg, pstate, iteration, iter_folder, fmt)
     path = os.path.join(checkpoint_dir(root, iteration, pstate, release=(iteration == 0)), "model_optim_rng.pt")
-    iter_folder = os.path.dirname(os.path.dirname(path))  # ROOT/iter_NNNNNNN or ROOT/release
     mine = [os.path.relpath(path, iter_folder)] if pstate.dp_rank == 0 else []
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     chosen = cfold.choose_checkpoint(root, iteration, mine, fallback=cfg.ckpt_fallback_on_corruption,
@@ -153,12 +182,6 @@ def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated file, bad zip, foreign pickle
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
-    saved = state.get("args", {})
-    for flag, key, now in (("--tensor-model-parallel-size", "tensor_model_parallel_size", pstate.tp_size),
-                           ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", pstate.pp_size)):
-        if key in saved and saved[key] != now:
-            raise CheckpointError(f"checkpoint {path} was saved with {flag} {saved[key]}, this run uses {now}; "
-                                  "reshard it first")
     if len(model) == 1:
         keys = ["model"]
     else:
@@ -188,6 +211,136 @@ def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
             raise CheckpointError(f"checkpoint {path} holds no RNG state; use --no-load-rng")
         tensor_parallel.set_all_rng_states(state["rng_state"])
     return int(state["iteration"]), int(state.get("consumed_train_samples", 0))
+
+
+# ---- checkpoints that need converting: another TP/PP, Megatron-LM's legacy files, torch_dist ----------------------
+_FORMAT_NAMES = {"ours": "checkpoint", "megatron": "Megatron-LM checkpoint",
+                 "torch_dist": "Megatron-Core torch_dist checkpoint"}
+
+
+def _print0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"> {message}", flush=True)
+
+
+def _optimizer_kind(optimizer) -> Optional[str]:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+
+    for cls, kind in ((DistributedOptimizer, "distributed"), (MixedPrecisionOptimizer, "mixed"),
+                      (FP32Optimizer, "fp32")):
+        if isinstance(optimizer, cls):
+            return kind
+    return None
+
+
+def _family_of(model) -> "formats.ModelFamily":
+    """The checkpoint layout of the running model, from its parameter names."""
+    names = [n for chunk in model for n, _ in chunk.named_parameters()]
+    if any(".encoder.layers." in f".{n}" for n in names):
+        return formats.get_family("BERT")
+    return formats.GPT
+
+
+def _padded_vocab_of(model, pstate: ParallelState, family) -> Optional[int]:
+    """The running model's padded vocabulary (embedding rows x TP), agreed over every rank (a middle pipeline
+    stage holds no embedding)."""
+    vocab_names = set(family.vocab_params)
+    rows = 0
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            plain = name[len("module."):] if name.startswith("module.") else name
+            if plain in vocab_names:
+                rows = max(rows, param.shape[0] * pstate.tp_size)
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        rows = max(gathered)
+    return rows or None
+
+
+def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: ParallelState, iteration: int,
+                    iter_folder: str, fmt: Optional[str]) -> tuple:
+    """Every rank reads every rank's file, reshards model and optimizer to this run's layout
+    (``checkpoint_formats.state_for_rank``) and loads its share. RNG states belong to the saved ranks: restored
+    only when the layout is unchanged."""
+    root = cfg.load
+    what = _FORMAT_NAMES.get(fmt, "checkpoint")
+    want_optim = not cfg.finetune and not cfg.no_load_optim and optimizer is not None
+    want_rng = not cfg.finetune and not cfg.no_load_rng
+    if fmt == "torch_dist" and want_optim:
+        raise CheckpointError(f"{iter_folder} is a {what}: its optimizer state is not read; resume it with "
+                              "--no-load-optim (or --finetune)")
+    vpp = len(model) if len(model) > 1 else None
+    try:
+        family = _family_of(model)
+        if fmt == "ours":
+            files = rank_files(iter_folder)
+            rels = [os.path.relpath(p, iter_folder) for p in files.values()]
+            rank0 = not dist.is_initialized() or dist.get_rank() == 0
+            chosen = cfold.choose_checkpoint(root, iteration, rels if rank0 else [],
+                                             fallback=cfg.ckpt_fallback_on_corruption,
+                                             log=(lambda m: print(f"> {m}", flush=True)) if rank0 else None,
+                                             folder=iter_folder if iteration == 0 else None)
+            ckpt = formats.read_our_checkpoint(root, load_optim=want_optim, load_rng=want_rng,
+                                               iteration=chosen if chosen != iteration else None)
+        else:
+            ckpt = formats.read_megatron_checkpoint(root, family, load_optim=want_optim, load_rng=want_rng)
+        dims = formats.dims_from_args(ckpt.args_dict)
+        rows = _padded_vocab_of(model, pstate, family)
+        if rows is not None and rows != dims.padded_for(pstate.tp_size):
+            dims = dataclasses.replace(dims, vocab_size=rows, make_vocab_size_divisible_by=1)
+        src_tp, src_pp, src_vpp = layout_of(ckpt.model_state_per_rank)
+        chunks, optim_state, rng = formats.state_for_rank(
+            ckpt, dims, pstate.tp_size, pstate.pp_size, pstate.tp_rank, pstate.pp_rank,
+            optimizer_kind=_optimizer_kind(optimizer), family=family, vpp_size=vpp)
+    except formats.CheckpointFormatError as exc:
+        raise CheckpointError(f"--load {root}: {exc}") from exc
+    resharded = (src_tp, src_pp, src_vpp) != (pstate.tp_size, pstate.pp_size, vpp or 1)
+    saved = f"TP={src_tp}, PP={src_pp}" + (f", virtual PP={src_vpp}" if src_vpp > 1 else "")
+    if resharded:
+        _print0(f"resharding the {what} in {root} (saved at {saved}) to TP={pstate.tp_size}, PP={pstate.pp_size}"
+                + (f", virtual PP={vpp}" if vpp else ""))
+    elif fmt != "ours":
+        _print0(f"reading the {what} in {root} (iteration {ckpt.iteration}, {saved})")
+    if len(chunks) != len(model):
+        raise CheckpointError(f"--load {root}: {len(chunks)} model chunks for this rank, the run has {len(model)}")
+    for chunk, sd in zip(model, chunks):
+        try:
+            chunk.load_state_dict(sd, strict=True)
+        except RuntimeError as exc:
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            detail = [line for line in lines[1:] if line.startswith(("size mismatch", "Missing", "Unexpected"))]
+            more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
+            raise CheckpointError(f"--load {root}: the {what} does not fit this model: "
+                                  f"{detail[0] if detail else lines[0]}{more}") from exc
+    if ckpt.extra.get("fp8_delayed_scaling") is not None:
+        _print0("FP8 delayed-scaling state not restored (the checkpoint was resharded); its sites start with "
+                "current scaling")
+    if cfg.finetune:
+        return 0, 0
+    if want_optim:
+        if optim_state is None or ckpt.scheduler is None:
+            raise CheckpointError(f"--load {root}: the {what} holds no optimizer state; use --no-load-optim or "
+                                  "--finetune")
+        try:
+            optimizer.load_state_dict(optim_state)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointError(f"--load {root}: the {what}'s optimizer state does not fit this run's optimizer: "
+                                  f"{first}") from exc
+        scheduler.load_state_dict(ckpt.scheduler)
+    if want_rng:
+        if rng is not None:
+            tensor_parallel.set_all_rng_states(rng)
+        elif resharded:
+            _print0(f"RNG state not restored: it belongs to the saved layout ({saved}); dropout and sampling "
+                    "draw fresh streams from --seed")
+        elif fmt == "torch_dist":
+            _print0(f"RNG state not restored: a {what} is read for its model weights only")
+        else:
+            raise CheckpointError(f"--load {root}: the {what} holds no RNG state; use --no-load-rng")
+    return int(ckpt.iteration), int(ckpt.consumed_samples)
 
 
 def latest_iteration(root: Optional[str]) -> Optional[int]:

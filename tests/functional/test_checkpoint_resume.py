@@ -84,11 +84,3 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(data_prefix, tmp_path):
     (tmp_path / "empty").mkdir()
     proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "empty")))
     assert "no checkpoint found" in proc.stdout
-
-
-def test_loading_at_another_tp_size_is_a_clear_error(data_prefix, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(gpt_args(data_prefix, tp=2, train_iters=2, save=str(ckpt)), nproc=2)
-    proc = run_pretrain(gpt_args(data_prefix, tp=1, train_iters=4, load=str(ckpt)), expect_ok=False)
-    assert proc.returncode == 2
-    assert "--tensor-model-parallel-size" in proc.stderr

@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
-from megatron.core.checkpoint_formats.common import LoadedCheckpoint
+import torch
+
+from megatron.core.checkpoint_formats.common import LoadedCheckpoint, rank_files
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily
 from megatron.core.checkpoint_formats.optimizer_state import named_to_ours, reshard_named
 from megatron.core.checkpoint_formats.reshard import layout_of, reshard
+from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+
+
+def checkpoint_format(iter_dir: str) -> Optional[str]:
+    """Which writer made the iteration folder ``iter_dir``: ``"torch_dist"`` (Megatron-Core's distributed
+    checkpoint, recognised by its ``.metadata``), ``"megatron"`` (Megatron-LM's legacy files, whose arguments are a
+    pickled ``argparse.Namespace``) or ``"ours"``; ``None`` when the folder has no readable rank file (the caller
+    reports what is missing). Only the pickle's list of globals is read, never its tensors."""
+    if os.path.isfile(os.path.join(iter_dir, ".metadata")):
+        return "torch_dist"
+    try:
+        files = rank_files(iter_dir)
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(files[min(files)])
+    except (CheckpointFormatError, OSError, RuntimeError, ValueError):
+        return None
+    return "megatron" if "argparse.Namespace" in needed else "ours"
+
+
+def saved_layout(iter_dir: str) -> Optional[Tuple[int, int]]:
+    """``(tp, pp)`` of the ``mp_rank_TT[_PPP]`` folders of ``iter_dir``, or ``None`` when it has none."""
+    try:
+        files = rank_files(iter_dir)
+    except CheckpointFormatError:
+        return None
+    return 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
 
 
 def state_for_rank(ckpt: LoadedCheckpoint, dims: ModelDims, tp_size: int, pp_size: int, tp_rank: int, pp_rank: int,

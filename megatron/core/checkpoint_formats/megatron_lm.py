@@ -6,8 +6,8 @@ Facts of the format (Megatron-LM with Megatron-Core models): one ``model_optim_r
 local layer spec); the optimizer is the torch optimizer's state dict (fp32) or ``{optimizer, fp32_from_fp16_params
 [per group], grad_scaler (fp16 only)}`` (bf16/fp16) in Megatron-Core's parameter order; ``opt_param_scheduler``
 counts samples; ``rng_state`` is a list with one dict per data-parallel rank; ``num_floating_point_operations_so_far``
-is top level. The distributed optimizer's ``distrib_optim.pt`` is refused by name; ``torch_dist`` checkpoints give
-their model weights (``megatron_dist.py``).
+is top level. The distributed optimizer's ``distrib_optim.pt`` is read by ``distrib_optim.py``; ``torch_dist``
+checkpoints give their model weights (``megatron_dist.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,35 @@ from megatron.core.checkpoint_formats import optimizer_state as optim
 from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
                                                      rank_dir, rank_files, read_tracker,
                                                      to_family_order, write_tracker)
+from megatron.core.checkpoint_formats.distrib_optim import hyper_from_distributed, read_distrib_optim
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily, check_supported_args
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
 
 CHECKPOINT_VERSION = 3.0
+DISTRIB_OPTIM = "distrib_optim.pt"
+
+
+def _tensorless(opt_sd: dict) -> bool:
+    """The distributed optimizer's ``state_dict()``: param groups only (its tensors live in distrib_optim.pt)."""
+    inner = opt_sd.get("optimizer")
+    return (isinstance(inner, dict) and "state" not in inner and "fp32_from_fp16_params" not in opt_sd
+            and "param_groups" in inner)
+
+
+def _distributed_to_named(opt_sd: dict, distrib: str, mg_chunks, plain_mg, args: Dict[str, Any], rank, family,
+                          where: str):
+    """The distributed optimizer's state of one rank (``distrib_optim.pt`` + the param groups in
+    ``model_optim_rng.pt``) by parameter name; see ``distrib_optim.py``."""
+    if not os.path.exists(distrib):
+        raise CheckpointFormatError(f"{where} holds a distributed optimizer's param groups but {distrib} is "
+                                    "missing; load without the optimizer (--no-load-optim)")
+    pp_size = int(args.get("pipeline_model_parallel_size") or 1)
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    own_bucket = ("embedding.word_embeddings.weight", family.tied_output) if (tied and pp_size > 1) else ()
+    per_key = read_distrib_optim(distrib, mg_chunks, args, rank[1], own_bucket)
+    hyper, step = hyper_from_distributed(opt_sd, where)
+    meta = {"kind": "distributed", "param_groups": hyper, "step": step, "grad_scaler": opt_sd.get("grad_scaler")}
+    return optim.named_from_keys(plain_mg, per_key), meta
 
 
 # ---- scheduler and RNG layouts --------------------------------------------------------------------------------
@@ -121,11 +146,13 @@ def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: b
         ours_chunks = [to_family_order(c, family, megatron=False) for c in mg_chunks]
         models[rank] = ours_chunks
         if load_optim and state.get("optimizer") is not None:
-            if os.path.exists(os.path.join(os.path.dirname(path), "distrib_optim.pt")):
-                raise CheckpointFormatError(f"{os.path.dirname(path)}/distrib_optim.pt: the distributed "
-                                            "optimizer's state is not read; load without the optimizer")
             plain_mg = [to_family_order(c, family, megatron=True) for c in mg_chunks]
-            n, meta = optim.megatron_to_named(state["optimizer"], plain_mg, path)
+            distrib = os.path.join(os.path.dirname(path), DISTRIB_OPTIM)
+            if os.path.exists(distrib) or _tensorless(state["optimizer"]):
+                n, meta = _distributed_to_named(state["optimizer"], distrib, mg_chunks, plain_mg, args, rank,
+                                                family, path)
+            else:
+                n, meta = optim.megatron_to_named(state["optimizer"], plain_mg, path)
             named[rank] = (n, meta)
             optimizers[rank] = optim.named_to_ours(n, meta, ours_chunks)
         if load_rng and state.get("rng_state") is not None:
@@ -183,7 +210,8 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
         virtual_pipeline_model_parallel_size=None, consumed_train_samples=consumed,
         consumed_valid_samples=int(args.get("consumed_valid_samples") or 0), iteration=iteration,
         params_dtype=_DTYPES.get(dims.params_dtype, torch.float32), bf16=dims.params_dtype == "bfloat16",
-        fp16=dims.params_dtype == "float16", ckpt_format="torch")
+        fp16=dims.params_dtype == "float16", ckpt_format="torch",
+        use_distributed_optimizer=False)  # the optimizer is written in the non-distributed layout
     return argparse.Namespace(**plain)
 
 

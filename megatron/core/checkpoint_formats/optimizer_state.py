@@ -69,6 +69,11 @@ def _named(chunks, per_key) -> Named:
     return [{n: per_key.get((c, n), {}) for n in names} for c, names in enumerate(_param_names(chunks))]
 
 
+def named_from_keys(chunks: List[Dict[str, torch.Tensor]], per_key: Dict[Tuple[int, str], dict]) -> Named:
+    """The by-name form of ``{(chunk, name): entry}`` for the rank whose model state dicts are ``chunks``."""
+    return _named(chunks, per_key)
+
+
 def ours_to_named(opt_sd: dict, chunks: List[Dict[str, torch.Tensor]], where: str) -> Tuple[Named, dict]:
     """Our trainer's optimizer state dict of one rank (any of the three wrappers) by parameter name."""
     if opt_sd.get("distributed_optimizer"):

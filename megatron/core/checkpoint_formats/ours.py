@@ -17,10 +17,15 @@ from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 CHECKPOINT_VERSION = 3.0
 
 
-def read_our_checkpoint(root: str, load_optim: bool = True, load_rng: bool = True) -> LoadedCheckpoint:
+def read_our_checkpoint(root: str, load_optim: bool = True, load_rng: bool = True,
+                        iteration: Optional[int] = None) -> LoadedCheckpoint:
     """Every rank of one of our checkpoint folders (see :class:`LoadedCheckpoint`); ``extra`` holds the optimizer
-    by parameter name (``optimizer_by_name``) for resharding."""
-    iteration, iter_dir = read_tracker(root)
+    by parameter name (``optimizer_by_name``) for resharding. ``iteration``: read that one instead of the
+    tracker's (a fallback to an older intact checkpoint)."""
+    if iteration is None:
+        iteration, iter_dir = read_tracker(root)
+    else:
+        iter_dir = os.path.join(root, f"iter_{iteration:07d}")
     files = rank_files(iter_dir)
     models, optimizers, named, rngs = {}, {}, {}, {}
     first = None
