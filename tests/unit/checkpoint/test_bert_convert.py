@@ -98,24 +98,32 @@ def test_ours_megatron_tp2_pp2_round_trip(tmp_path, capsys, post_ln, binary):
         assert torch.equal(again[name][:rows], tensor), name
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A checkpoint of pretrain_bert.py after 2 iterations (fp32, Adam moments, scheduler)."""
+def _train(vocab: str, iters: int, **extra):
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import pretrain_bert
     from tests.unit.models.test_bert_pretrain import _argv, in_memory_datasets
 
-    tmp = tmp_path_factory.mktemp("bert_trained")
-    vocab = tmp / "vocab.txt"
+    argv = _argv(vocab, iters, **{"apply-residual-connection-post-layernorm": True, **extra})
+    return pretrain_bert.main(argv, datasets=in_memory_datasets)
+
+
+@pytest.fixture(scope="module")
+def vocab_64(tmp_path_factory):
+    vocab = tmp_path_factory.mktemp("bert_vocab") / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]) + "\n")
-    ckpt = str(tmp / "ckpt")
-    pretrain_bert.main(_argv(str(vocab), 2, **{"save": ckpt, "apply-residual-connection-post-layernorm": True}),
-                       datasets=in_memory_datasets)
+    return str(vocab)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, vocab_64):
+    """A checkpoint of pretrain_bert.py (post-LN) after 2 iterations (fp32, Adam moments, scheduler)."""
+    ckpt = str(tmp_path_factory.mktemp("bert_trained") / "ckpt")
+    _train(vocab_64, 2, save=ckpt)
     return ckpt
 
 
-def test_trainer_checkpoint_through_megatron_tp2_pp2_keeps_model_and_optimizer(trained, tmp_path, capsys):
+def test_trainer_checkpoint_through_megatron_tp2_pp2_keeps_model_and_optimizer(trained, vocab_64, tmp_path, capsys):
     mg, back = str(tmp_path / "mg"), str(tmp_path / "back")
     rc, out, err = _run(capsys, "--model-type", "BERT", "--loader", "ours", "--saver", "megatron", "--load-dir",
                         trained, "--save-dir", mg, "--target-tensor-parallel-size", "2",
@@ -152,3 +160,12 @@ def test_trainer_checkpoint_through_megatron_tp2_pp2_keeps_model_and_optimizer(t
     assert new["opt_param_scheduler"] == original["opt_param_scheduler"]
     assert new["iteration"] == 2 and new["consumed_train_samples"] == 16
     assert new["args"]["apply_residual_connection_post_layernorm"] is True
+
+    # the trainer resumes the converted checkpoint (its RNG state stayed behind with the source layout) and its
+    # third iteration is the one resumed from the trainer's own checkpoint
+    common = {"no-load-rng": True, "attention-backend": "unfused"}
+    resumed = _train(vocab_64, 3, load=back, **common)
+    reference = _train(vocab_64, 3, load=trained, **common)
+    capsys.readouterr()
+    assert [row["iteration"] for row in resumed["history"]] == [3] and resumed["history"][0]["lm loss"] > 0
+    assert resumed["history"] == reference["history"]
