@@ -108,11 +108,10 @@ def build_hf_gpt2(full: Dict[str, torch.Tensor], dims: ModelDims, eod: Optional[
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
     cfg = {k: v for k, v in hf_gpt2_config(dims, eod, dropout, init_std).items() if k not in ("model_type",
                                                                                             "architectures")}
-    config = GPT2Config(**cfg)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
     with torch.device("meta"):  # no random initialisation: every weight is assigned below
-        model = GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(GPT2Config(**cfg))
+    if attn_implementation is not None:
+        model.config._attn_implementation = attn_implementation
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, strict=False,
                                                 assign=True)
     tied_head = "lm_head.weight" if dims.tied_embeddings else None

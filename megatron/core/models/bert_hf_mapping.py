@@ -11,6 +11,9 @@ Two Hugging Face layouts map onto one model:
 
 Both convert to full (unsharded) state dicts; Hugging Face's separate query/key/value become the fused
 ``linear_qkv`` with per-head ``[q k v]`` rows, and the vocabulary is zero-padded to ``padded_vocab_size``.
+A model without the binary head (no pooler, sentence-relationship head or token-type embedding) maps to the
+masked-LM classes (``BertForMaskedLM`` / ``MegatronBertForMaskedLM``) with one zero token-type row. Whole
+checkpoint folders (config, tokenizer, any TP/PP) are ``megatron/core/checkpoint_formats/hf_bert.py``.
 """
 
 from __future__ import annotations
