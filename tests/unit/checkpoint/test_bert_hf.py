@@ -152,3 +152,54 @@ def test_refusals_name_the_setting(tmp_path, capsys):
                       os.path.join(os.path.dirname(__file__), "fixtures", "megatron_gpt"), "--save-dir",
                       str(tmp_path / "o"))
     assert rc == 2 and "--model-type BERT" in err and "decoder.layers.0" in err
+
+
+def test_megatron_core_bert_through_megatron_tp2_pp2_to_hf_gives_its_outputs(tmp_path, capsys):
+    """Megatron-Core 0.16.1's own BertModel outputs (tests/unit/models/golden/) for weights drawn by
+    ``golden_weight``: a Megatron-LM checkpoint of those weights, resharded to TP=2 x PP=2 and exported, makes
+    ``MegatronBertForPreTraining`` compute them."""
+    import argparse
+
+    from tests.unit.models.golden.make_megatron_core_bert_golden import golden_weight
+
+    gold = json.load(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "golden",
+                                       "megatron_core_bert.json")))
+    c = gold["config"]
+    model = {}
+    for name, shape in gold["state_dict_shapes"].items():  # Megatron-Core's order
+        model[name] = golden_weight(name, shape)
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".bias") and module.endswith(("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2",
+                                                       "output_layer")):
+            model[module + "._extra_state"] = None
+    args = argparse.Namespace(num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                              num_attention_heads=c["num_attention_heads"], ffn_hidden_size=4 * c["hidden_size"],
+                              max_position_embeddings=c["seq_length"], seq_length=c["seq_length"],
+                              padded_vocab_size=c["vocab_size"], layernorm_epsilon=c["layernorm_epsilon"],
+                              bert_binary_head=True, tokenizer_type="BertWordPieceLowerCase",
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              consumed_train_samples=0)
+    src = tmp_path / "megatron"
+    (src / "release" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": model},
+               src / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    (src / "latest_checkpointed_iteration.txt").write_text("release")
+    mid, hf_dir = str(tmp_path / "mid"), str(tmp_path / "hf")
+    rc, _, err = _run(capsys, "--model-type", "BERT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+                      str(src), "--save-dir", mid, "--target-tensor-parallel-size", "2",
+                      "--target-pipeline-parallel-size", "2", "--true-vocab-size", str(c["vocab_size"]),
+                      "--make-vocab-size-divisible-by", "8")
+    assert rc == 0, err
+    rc, out, err = _run(capsys, "--model-type", "BERT", "--loader", "megatron", "--saver", "hf", "--load-dir", mid,
+                        "--save-dir", hf_dir, "--true-vocab-size", str(c["vocab_size"]))
+    assert rc == 0, err
+    assert "pre-LN BERT written as MegatronBertForPreTraining" in out
+    hf = transformers.MegatronBertForPreTraining.from_pretrained(hf_dir, local_files_only=True).eval()
+    ids, types, padding = (torch.tensor(gold[k]) for k in ("input_ids", "tokentype_ids", "padding_mask"))
+    with torch.no_grad():
+        ref = hf(input_ids=ids, token_type_ids=types, attention_mask=padding)
+    real = padding.bool()  # Megatron-Core also masks padded queries: only real tokens are comparable
+    torch.testing.assert_close(ref.prediction_logits[real], torch.tensor(gold["logits_at_real_tokens"]), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(ref.seq_relationship_logits, torch.tensor(gold["binary_logits"]), rtol=1e-5,
+                               atol=1e-5)
