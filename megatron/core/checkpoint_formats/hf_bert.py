@@ -68,7 +68,6 @@ def to_hf_bert(full: Dict[str, torch.Tensor], dims: ModelDims, post_ln: bool) ->
         raise CheckpointFormatError(f"BERT export: {exc}") from exc
     if dims.tied_embeddings:
         hf.pop("cls.predictions.decoder.weight")  # tied to the word embeddings by transformers
-    hf.pop("cls.predictions.decoder.bias")  # tied to cls.predictions.bias
     return {k: v.contiguous() for k, v in hf.items()}
 
 
@@ -178,6 +177,8 @@ def from_hf_bert(hf_sd: Dict[str, torch.Tensor], config: dict, make_vocab_size_d
         raise CheckpointFormatError(f"{where}: type_vocab_size {types.shape[0]} is not supported (BERT with the "
                                     "binary head has 2 token types)")
     tied = bool(config.get("tie_word_embeddings", True))
+    if not tied and "cls.predictions.decoder.bias" in sd:  # untied, transformers adds the decoder's own bias
+        sd["cls.predictions.bias"] = sd["cls.predictions.decoder.bias"]
     dims = ModelDims(num_layers=layers, hidden_size=int(config["hidden_size"]), num_attention_heads=heads,
                      ffn_hidden_size=int(config["intermediate_size"]),
                      max_position_embeddings=int(config["max_position_embeddings"]),

@@ -38,7 +38,7 @@ def bert_model(dims: ModelDims, post_ln: bool, binary: bool = True, pstate: Para
         padded_vocab_size=dims.padded_for(pstate.tp_size), attention_dropout=0.0, hidden_dropout=0.0,
         layernorm_epsilon=dims.layernorm_epsilon, attention_mask_type="padding", attention_backend="unfused",
         apply_residual_connection_post_layernorm=post_ln, use_fused_kernels=False,
-        gradient_accumulation_fusion=False)
+        gradient_accumulation_fusion=False, share_embeddings_and_output_weights=dims.tied_embeddings)
     return BertModel(config, pstate, pre_process=pre_process, post_process=post_process, num_layers=num_layers,
                      layer_offset=layer_offset, num_tokentypes=2 if binary else 0, add_binary_head=binary).eval()
 
@@ -53,8 +53,9 @@ def random_bert_full(dims: ModelDims, post_ln: bool, binary: bool = True, seed: 
     for name, t in full.items():
         if "norm" in name or name.endswith(".bias"):
             full[name] = t + 0.1 * torch.randn(t.shape, generator=g)
-    for name in ("embedding.word_embeddings.weight", "output_layer.bias"):
-        full[name][dims.vocab_size:] = 0.0
+    for name in ("embedding.word_embeddings.weight", "output_layer.bias", "output_layer.weight"):
+        if name in full:
+            full[name][dims.vocab_size:] = 0.0
     return full
 
 
@@ -72,7 +73,8 @@ def our_outputs(full: dict, dims: ModelDims, post_ln: bool, vocab: int):
     """``(encoder output [b, s, h], MLM logits over the real vocabulary, binary logits)`` of the whole model."""
     binary = "binary_head.weight" in full
     rows = full["embedding.word_embeddings.weight"].shape[0]
-    model = bert_model(dataclasses.replace(dims, padded_vocab_size=rows, vocab_size=None), post_ln, binary)
+    model = bert_model(dataclasses.replace(dims, padded_vocab_size=rows, vocab_size=None,
+                                           tied_embeddings="output_layer.weight" not in full), post_ln, binary)
     model.load_state_dict(full, strict=True)
     ids, types, padding = batch(vocab)
     captured = {}

@@ -80,17 +80,21 @@ def test_hf_to_ours_tp2_and_back(tmp_path, capsys, post_ln):
     assert config["layer_norm_eps"] == 1e-12 and config["vocab_size"] == VOCAB and config["hidden_act"] == "gelu"
 
 
-@pytest.mark.parametrize("post_ln, binary", [(True, True), (False, False)], ids=["post_ln", "pre_ln_no_binary"])
-def test_ours_tp2_to_hf_and_back(tmp_path, capsys, post_ln, binary):
+@pytest.mark.parametrize("post_ln, binary, tied", [(True, True, True), (False, False, True), (False, True, False)],
+                         ids=["post_ln", "pre_ln_no_binary", "pre_ln_untied"])
+def test_ours_tp2_to_hf_and_back(tmp_path, capsys, post_ln, binary, tied):
     """Megatron's vocabulary (vocab.txt + [BOS] [EOS]) goes out whole: the tokenizer files have every row's token."""
     vocab_file = write_vocab(tmp_path / "vocab.txt")
     vocab = BertWordPieceTokenizer(vocab_file, lower_case=True).vocab_size
     assert vocab == VOCAB + 2
     dims = bert_dims(vocab)
+    dims.tied_embeddings = tied
     full = random_bert_full(dims, post_ln, binary)
+    assert ("output_layer.weight" in full) is not tied
     args = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "tokenizer_type": "BertWordPieceLowerCase",
             "vocab_file": vocab_file, "apply_residual_connection_post_layernorm": post_ln,
-            "bert_binary_head": binary, "hidden_dropout": 0.1, "attention_dropout": 0.1}
+            "bert_binary_head": binary, "hidden_dropout": 0.1, "attention_dropout": 0.1,
+            "untie_embeddings_and_output_weights": not tied}
     src, hf_dir, back = str(tmp_path / "src"), str(tmp_path / "hf"), str(tmp_path / "back")
     write_our_checkpoint(src, split_tp_pp(full, dims, 2, 1, BERT), dims, args, release=True)
     rc, out, err = _run(capsys, "--model-type", "BERT", "--loader", "ours", "--saver", "hf", "--load-dir", src,
@@ -101,6 +105,7 @@ def test_ours_tp2_to_hf_and_back(tmp_path, capsys, post_ln, binary):
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     assert config["architectures"] == [kind] and config["vocab_size"] == vocab
     assert config["hidden_dropout_prob"] == 0.1 and config["type_vocab_size"] == (2 if binary else 1)
+    assert config["tie_word_embeddings"] is tied
 
     # the Hugging Face model computes what ours computes
     hf = getattr(transformers, kind).from_pretrained(hf_dir, local_files_only=True).eval()
@@ -128,7 +133,8 @@ def test_ours_tp2_to_hf_and_back(tmp_path, capsys, post_ln, binary):
     loaded = read_our_checkpoint(back)
     assert loaded.args_dict["bert_binary_head"] is binary
     assert loaded.args_dict["apply_residual_connection_post_layernorm"] is post_ln
-    again = merge_tp_pp(loaded.model_state_per_rank, BERT)
+    assert loaded.args_dict["untie_embeddings_and_output_weights"] is not tied
+    again = merge_tp_pp(loaded.model_state_per_rank, BERT, tied=tied)
     assert list(again) == list(full)
     for name, tensor in full.items():
         assert torch.equal(again[name], tensor), name
