@@ -1,5 +1,6 @@
 """Checkpoint formats: Megatron-LM's legacy torch checkpoints (read and write), ours (any TP/PP), Hugging Face GPT-2
-and BERT, and resharding between tensor/pipeline-parallel layouts. Importable without the trainer; never imports Megatron.
+and BERT, and resharding between tensor/pipeline-parallel layouts, for GPT and BERT. Importable without the trainer;
+never imports Megatron.
 
 Main entry points (see docs/checkpoints.md):
 
