@@ -2,6 +2,7 @@
 GPT-2 for ``--model-type GPT``; ``BertForPreTraining`` (post-LN) or ``MegatronBertForPreTraining`` (pre-LN), or
 their masked-LM variants, for ``--model-type BERT``."""
 
+import json
 import os
 
 from megatron.core.checkpoint_formats import CheckpointFormatError, load_hf_bert, load_hf_gpt2
@@ -39,8 +40,6 @@ def _bert_payload(opts, family, full, dims, config, notes) -> Payload:
     lower = True
     tok_cfg = os.path.join(opts.load_dir, "tokenizer_config.json")
     if os.path.isfile(tok_cfg):
-        import json
-
         with open(tok_cfg) as f:
             lower = bool(json.load(f).get("do_lower_case", True))
     args = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size,
@@ -52,8 +51,12 @@ def _bert_payload(opts, family, full, dims, config, notes) -> Payload:
             "bert_binary_head": "binary_head.weight" in full,
             "tokenizer_type": ("BertWordPieceLowerCase" if lower else "BertWordPieceCase") if vocab_file else None,
             "vocab_file": vocab_file}
-    return Payload(family=family, dims=dims, full=full, args=args, source="hf", vocab_file=vocab_file,
-                   notes=list(notes))
+    post_ln, binary = args["apply_residual_connection_post_layernorm"], args["bert_binary_head"]
+    flags = (["--apply-residual-connection-post-layernorm"] if post_ln else []) + \
+        ([] if binary else ["--bert-no-binary-head"])
+    notes = list(notes) + [f"{'post' if post_ln else 'pre'}-LN BERT{'' if binary else ' without the binary head'}: "
+                           f"run pretrain_bert.py on it with {' '.join(flags) or 'the default (pre-LN) order'}"]
+    return Payload(family=family, dims=dims, full=full, args=args, source="hf", vocab_file=vocab_file, notes=notes)
 
 
 def _existing(folder: str, name: str):

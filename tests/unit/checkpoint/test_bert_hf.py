@@ -44,6 +44,8 @@ def test_hf_to_ours_tp2_and_back(tmp_path, capsys, post_ln):
                         "--make-vocab-size-divisible-by", "8")
     assert rc == 0, err
     assert "loaded BERT from hf checkpoint" in out and "vocabulary 18 padded to 24" in out
+    flag = "with --apply-residual-connection-post-layernorm" if post_ln else "with the default (pre-LN) order"
+    assert f"note: {'post' if post_ln else 'pre'}-LN BERT: run pretrain_bert.py on it {flag}" in out
     loaded = read_our_checkpoint(ours)
     assert sorted(loaded.model_state_per_rank) == [(0, 0), (1, 0)]
     assert loaded.model_state_per_rank[(1, 0)][0]["output_layer.bias"].shape == (16,)  # 32 rows / 2
