@@ -5,7 +5,8 @@
         --target-pipeline-parallel-size 2 --reshard-optimizer
 
 Loaders: ``megatron`` (Megatron-LM legacy torch format, read through an allowlist, never executing code),
-``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2). Savers: ``ours``, ``megatron`` (any target TP/PP;
+``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2; for BERT ``BertForPreTraining`` post-LN or
+``MegatronBertForPreTraining`` pre-LN). Savers: ``ours``, ``megatron`` (any target TP/PP;
 ``--reshard-optimizer`` carries optimizer, scheduler and, when the layout is unchanged, RNG state) and ``hf``.
 Prints what it converted; refuses shapes and options it does not understand, naming them. See docs/checkpoints.md.
 """
@@ -57,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--use-distributed-optimizer); default: the source's")
     p.add_argument("--true-vocab-size", type=_positive("--true-vocab-size"), default=None,
                    help="real vocabulary size when the saved arguments name no vocabulary file")
-    p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: the saved arguments')")
+    p.add_argument("--vocab-file", default=None,
+                   help="GPT-2 vocab.json or BERT WordPiece vocab.txt (default: the saved arguments')")
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: the saved arguments')")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive("--make-vocab-size-divisible-by"),
                    default=None, help="vocabulary padding of an hf source (default 128)")

@@ -1,12 +1,15 @@
-"""``--loader hf``: a Hugging Face model folder (``model.safetensors`` or ``pytorch_model.bin``, read safely)."""
+"""``--loader hf``: a Hugging Face model folder (``model.safetensors`` or ``pytorch_model.bin``, read safely):
+GPT-2 for ``--model-type GPT``; ``BertForPreTraining`` (post-LN) or ``MegatronBertForPreTraining`` (pre-LN), or
+their masked-LM variants, for ``--model-type BERT``."""
 
+import json
 import os
 
-from megatron.core.checkpoint_formats import CheckpointFormatError, load_hf_gpt2
+from megatron.core.checkpoint_formats import CheckpointFormatError, load_hf_bert, load_hf_gpt2
 from payload import Payload
 
 # --model-type -> reader of a Hugging Face folder: (full, dims, config, notes)
-HF_READERS = {"GPT": load_hf_gpt2}
+HF_READERS = {"GPT": load_hf_gpt2, "BERT": load_hf_bert}
 
 
 def load(opts, family) -> Payload:
@@ -17,6 +20,8 @@ def load(opts, family) -> Payload:
         raise CheckpointFormatError(f"--loader hf: no Hugging Face mapping for --model-type {family.name}")
     full, dims, config, notes = reader(opts.load_dir, opts.make_vocab_size_divisible_by or 128)
     family.check_shapes(full, dims, opts.load_dir)
+    if family.name == "BERT":
+        return _bert_payload(opts, family, full, dims, config, notes)
     vocab_file = opts.vocab_file or _existing(opts.load_dir, "vocab.json")
     merge_file = opts.merge_file or _existing(opts.load_dir, "merges.txt")
     args = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size,
@@ -27,6 +32,31 @@ def load(opts, family) -> Payload:
             "merge_file": merge_file}
     return Payload(family=family, dims=dims, full=full, args=args, source="hf", vocab_file=vocab_file,
                    merge_file=merge_file, eod=config.get("eos_token_id"), notes=list(notes))
+
+
+def _bert_payload(opts, family, full, dims, config, notes) -> Payload:
+    """BERT's saved arguments: the LayerNorm order, the binary head, the WordPiece vocabulary and its case."""
+    vocab_file = opts.vocab_file or _existing(opts.load_dir, "vocab.txt")
+    lower = True
+    tok_cfg = os.path.join(opts.load_dir, "tokenizer_config.json")
+    if os.path.isfile(tok_cfg):
+        with open(tok_cfg) as f:
+            lower = bool(json.load(f).get("do_lower_case", True))
+    args = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size,
+            "num_attention_heads": dims.num_attention_heads,
+            "hidden_dropout": config.get("hidden_dropout_prob", 0.1),
+            "attention_dropout": config.get("attention_probs_dropout_prob", 0.1),
+            "init_method_std": config.get("initializer_range", 0.02),
+            "apply_residual_connection_post_layernorm": config.get("model_type") == "bert",
+            "bert_binary_head": "binary_head.weight" in full,
+            "tokenizer_type": ("BertWordPieceLowerCase" if lower else "BertWordPieceCase") if vocab_file else None,
+            "vocab_file": vocab_file}
+    post_ln, binary = args["apply_residual_connection_post_layernorm"], args["bert_binary_head"]
+    flags = (["--apply-residual-connection-post-layernorm"] if post_ln else []) + \
+        ([] if binary else ["--bert-no-binary-head"])
+    notes = list(notes) + [f"{'post' if post_ln else 'pre'}-LN BERT{'' if binary else ' without the binary head'}: "
+                           f"run pretrain_bert.py on it with {' '.join(flags) or 'the default (pre-LN) order'}"]
+    return Payload(family=family, dims=dims, full=full, args=args, source="hf", vocab_file=vocab_file, notes=notes)
 
 
 def _existing(folder: str, name: str):

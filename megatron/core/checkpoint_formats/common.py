@@ -148,13 +148,14 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
 def to_family_order(chunk: Dict[str, torch.Tensor], family: ModelFamily, megatron: bool) -> Dict[str, torch.Tensor]:
     """A chunk's parameters re-listed in our (or Megatron-Core's) module order; ``_extra_state`` entries dropped."""
     layer = family.megatron_layer if (megatron and family.megatron_layer) else family.layer
+    last_stage = family.megatron_last_stage if (megatron and family.megatron_last_stage) else family.last_stage
     rank = {rel: i for i, rel in enumerate(layer)}
 
     def key(name: str):
         index, rel = family.split_layer_name(name)
         if index is None:
             group = 0 if name in family.first_stage else 2
-            order = (family.first_stage + family.last_stage).index(name) if family.known(name) else 0
+            order = (family.first_stage + last_stage).index(name) if family.known(name) else 0
             return (group, 0, order)
         return (1, index, rank.get(rel, len(rank)))
 

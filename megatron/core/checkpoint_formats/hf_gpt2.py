@@ -96,28 +96,42 @@ def hf_gpt2_config(dims: ModelDims, eod: Optional[int], dropout: Tuple[float, fl
     }
 
 
-def save_hf_gpt2(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, eod: Optional[int] = None,
-                 vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                 dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> List[str]:
-    """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads offline: ``config.json``,
-    ``model.safetensors``, ``generation_config.json`` and, given GPT-2 BPE files, the tokenizer files."""
-    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+def build_hf_gpt2(full: Dict[str, torch.Tensor], dims: ModelDims, eod: Optional[int] = None,
+                  dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02,
+                  dtype: Optional[torch.dtype] = None, attn_implementation: Optional[str] = None):
+    """A ``transformers.GPT2LMHeadModel`` holding ``full`` (our full state dict, real vocabulary rows only), in
+    ``dtype`` (default: the model's ``params_dtype``), on the tensors' device."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     hf_sd = to_hf_gpt2(full, dims)
+    if dtype is None:
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
     cfg = {k: v for k, v in hf_gpt2_config(dims, eod, dropout, init_std).items() if k not in ("model_type",
                                                                                             "architectures")}
-    config = GPT2Config(**cfg)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
-    model = GPT2LMHeadModel(config).to(dtype)
-    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
+    with torch.device("meta"):  # no random initialisation: every weight is assigned below
+        model = GPT2LMHeadModel(GPT2Config(**cfg))
+    if attn_implementation is not None:
+        model.config._attn_implementation = attn_implementation
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, strict=False,
+                                                assign=True)
     tied_head = "lm_head.weight" if dims.tied_embeddings else None
-    # causal-mask buffers of older transformers versions are not weights
-    missing = [k for k in missing if k != tied_head and not k.endswith(("attn.bias", "attn.masked_bias"))]
+    missing = [k for k in missing if k != tied_head]
     if missing or unexpected:
         raise CheckpointFormatError(f"GPT-2 export does not fit transformers' GPT2LMHeadModel: missing "
                                     f"{missing[:3]}, unexpected {unexpected[:3]}")
     if dims.tied_embeddings:
         model.tie_weights()
+    return model.eval()
+
+
+def save_hf_gpt2(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, eod: Optional[int] = None,
+                 vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                 dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> List[str]:
+    """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads offline: ``config.json``,
+    ``model.safetensors``, ``generation_config.json`` and, given GPT-2 BPE files, the tokenizer files."""
+    from transformers import GenerationConfig
+
+    model = build_hf_gpt2(full, dims, eod, dropout, init_std)
     model.generation_config = GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -71,6 +71,13 @@ class ModelFamily:
     megatron_extra_state_layer: List[str] = field(default_factory=list)
     megatron_extra_state_global: List[str] = field(default_factory=list)
     shapes: Optional[Callable[["ModelDims"], dict]] = None  # dims -> {name: full shape}
+    # Megatron-Core's order of the last stage's parameters, where it differs from ours
+    megatron_last_stage: List[str] = field(default_factory=list)
+    # parameters that a model may lack as a group (all of a group present, or none), e.g. BERT's binary head
+    optional_groups: List[Tuple[str, ...]] = field(default_factory=list)
+
+    def is_optional(self, name: str) -> bool:
+        return any(name in group for group in self.optional_groups)
 
     def split_layer_name(self, name: str) -> Tuple[Optional[int], str]:
         """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``(3, "mlp.linear_fc1.weight")``; ``(None, name)``
@@ -106,10 +113,19 @@ class ModelFamily:
         for name in full:
             if not self.known(name):
                 raise CheckpointFormatError(f"{where}: unknown {self.name} parameter {name}")
+        absent = set()
+        for group in self.optional_groups:
+            held = [n for n in group if n in full]
+            if held and len(held) != len(group):
+                missing = [n for n in group if n not in full]
+                raise CheckpointFormatError(f"{where}: {self.name} parameter {missing[0]} is missing (it comes "
+                                            f"with {held[0]})")
+            if not held:
+                absent.update(group)
         expected = self.shapes(dims) if self.shapes is not None else {}
         for name, shape in expected.items():
             if name not in full:
-                if name == self.tied_output and dims.tied_embeddings:
+                if (name == self.tied_output and dims.tied_embeddings) or name in absent:
                     continue
                 raise CheckpointFormatError(f"{where}: {self.name} parameter {name} is missing")
             if tuple(full[name].shape) != tuple(shape):
@@ -164,7 +180,47 @@ GPT = ModelFamily(
     shapes=_gpt_shapes,
 )
 
-_FAMILIES: Dict[str, ModelFamily] = {"GPT": GPT}
+
+def _bert_shapes(d: ModelDims) -> dict:
+    h, v = d.hidden_size, d.padded_vocab_size
+    gpt = _gpt_shapes(d)
+    out = {k.replace("decoder.", "encoder.", 1): s for k, s in gpt.items() if k != "output_layer.weight"}
+    out.update({"embedding.tokentype_embeddings.weight": (2, h), "lm_head.dense.weight": (h, h),
+                "lm_head.dense.bias": (h,), "lm_head.layer_norm.weight": (h,), "lm_head.layer_norm.bias": (h,),
+                "output_layer.bias": (v,), "pooler.dense.weight": (h, h), "pooler.dense.bias": (h,),
+                "binary_head.weight": (2, h), "binary_head.bias": (2,)})
+    if not d.tied_embeddings:
+        out["output_layer.weight"] = (v, h)
+    return out
+
+
+_BERT_HEADS = ["encoder.final_layernorm.weight", "encoder.final_layernorm.bias", "lm_head.dense.weight",
+               "lm_head.dense.bias", "lm_head.layer_norm.weight", "lm_head.layer_norm.bias"]
+
+# Megatron-Core's BertModel; ``--bert-no-binary-head`` models lack the token-type embedding, pooler and binary head
+BERT = ModelFamily(
+    name="BERT",
+    layer_prefix="encoder.layers.",
+    first_stage=["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                 "embedding.tokentype_embeddings.weight"],
+    layer=_GPT_LAYER,
+    # our BertModel registers the vocabulary bias before the (untied) output weight, the pooler before the head
+    last_stage=_BERT_HEADS + ["output_layer.bias", "output_layer.weight", "pooler.dense.weight", "pooler.dense.bias",
+                              "binary_head.weight", "binary_head.bias"],
+    tp_dim=dict(GPT.tp_dim, **{"output_layer.bias": 0}),
+    vocab_params=("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"),
+    megatron_layer=GPT.megatron_layer,
+    megatron_extra_state_layer=GPT.megatron_extra_state_layer,
+    megatron_extra_state_global=["output_layer"],
+    shapes=_bert_shapes,
+    # Megatron-Core: ColumnParallelLinear registers weight before bias; the binary head before the pooler
+    megatron_last_stage=_BERT_HEADS + ["output_layer.weight", "output_layer.bias", "binary_head.weight",
+                                       "binary_head.bias", "pooler.dense.weight", "pooler.dense.bias"],
+    optional_groups=[("embedding.tokentype_embeddings.weight", "pooler.dense.weight", "pooler.dense.bias",
+                      "binary_head.weight", "binary_head.bias")],
+)
+
+_FAMILIES: Dict[str, ModelFamily] = {"GPT": GPT, "BERT": BERT}
 
 
 def register_family(family: ModelFamily) -> None:

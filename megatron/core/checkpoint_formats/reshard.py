@@ -133,6 +133,8 @@ def split_tp_pp(full: Dict[str, torch.Tensor], dims: ModelDims, tp: int, pp: int
             pieces = [OrderedDict() for _ in range(tp)]
             for local, gname in names:
                 if gname not in full:
+                    if family.is_optional(gname):  # e.g. a BERT without the binary head
+                        continue
                     raise CheckpointFormatError(f"the full state dict has no {gname}")
                 value = full[gname]
                 if family.is_vocab(local):

@@ -11,6 +11,9 @@ Two Hugging Face layouts map onto one model:
 
 Both convert to full (unsharded) state dicts; Hugging Face's separate query/key/value become the fused
 ``linear_qkv`` with per-head ``[q k v]`` rows, and the vocabulary is zero-padded to ``padded_vocab_size``.
+A model without the binary head (no pooler, sentence-relationship head or token-type embedding) maps to the
+masked-LM classes (``BertForMaskedLM`` / ``MegatronBertForMaskedLM``) with one zero token-type row. Whole
+checkpoint folders (config, tokenizer, any TP/PP) are ``megatron/core/checkpoint_formats/hf_bert.py``.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def _layernorm_pairs(num_layers: int, post_ln: bool):
     return pairs + [("encoder.final_layernorm", f"{layer}{num_layers - 1}.output.LayerNorm")]
 
 
-def _linear_pairs(num_layers: int):
+def _linear_pairs(num_layers: int, binary_head: bool = True):
     """(ours, Hugging Face's) prefixes of every linear except the fused QKV."""
     layer = "bert.encoder.layer."
     pairs = []
@@ -79,26 +82,43 @@ def _linear_pairs(num_layers: int):
         pairs += [(ours + "self_attention.linear_proj", f"{layer}{i}.attention.output.dense"),
                   (ours + "mlp.linear_fc1", f"{layer}{i}.intermediate.dense"),
                   (ours + "mlp.linear_fc2", f"{layer}{i}.output.dense")]
-    return pairs + [("lm_head.dense", _PRED + "transform.dense"), ("lm_head.layer_norm", _PRED + "transform.LayerNorm"),
-                    ("pooler.dense", "bert.pooler.dense"), ("binary_head", "cls.seq_relationship")]
+    pairs += [("lm_head.dense", _PRED + "transform.dense"), ("lm_head.layer_norm", _PRED + "transform.LayerNorm")]
+    if binary_head:
+        pairs += [("pooler.dense", "bert.pooler.dense"), ("binary_head", "cls.seq_relationship")]
+    return pairs
+
+
+def has_binary_head(hf_state: Dict[str, torch.Tensor]) -> bool:
+    """True for a pre-training state dict (pooler and sentence-relationship head), False for a masked-LM one."""
+    return "cls.seq_relationship.weight" in hf_state
 
 
 def hf_to_megatron_bert(hf_state: Dict[str, torch.Tensor], num_layers: int, num_heads: int,
-                        padded_vocab_size: int) -> Dict[str, torch.Tensor]:
-    """A Hugging Face BERT pre-training state dict -> our full state dict (Megatron-Core names).
+                        padded_vocab_size: int, tied: bool = True) -> Dict[str, torch.Tensor]:
+    """A Hugging Face BERT pre-training (or masked-LM) state dict -> our full state dict (Megatron-Core names).
 
     The layout (pre- or post-LN) is read from the keys (``is_post_ln_checkpoint``); the model that loads the
-    result must use the matching ``apply_residual_connection_post_layernorm``. The decoder weight is tied to the
-    word embedding, so no ``output_layer.weight`` is produced.
+    result must use the matching ``apply_residual_connection_post_layernorm``. With ``tied`` the decoder weight is
+    the word embedding and no ``output_layer.weight`` is produced. A masked-LM state dict (no pooler and
+    sentence-relationship head, ``has_binary_head``) gives a model without the binary head and without token-type
+    embeddings, which needs Hugging Face's token-type embedding to be zero (as ``megatron_to_hf_bert`` writes it).
     """
     post_ln = is_post_ln_checkpoint(hf_state)
+    binary = has_binary_head(hf_state)
     out = {
         "embedding.word_embeddings.weight": _pad_rows(hf_state[_EMB + "word_embeddings.weight"], padded_vocab_size),
         "embedding.position_embeddings.weight": hf_state[_EMB + "position_embeddings.weight"],
-        "embedding.tokentype_embeddings.weight": hf_state[_EMB + "token_type_embeddings.weight"],
         "output_layer.bias": _pad_rows(hf_state[_PRED + "bias"], padded_vocab_size),
     }
-    for ours, theirs in _layernorm_pairs(num_layers, post_ln) + _linear_pairs(num_layers):
+    types = hf_state[_EMB + "token_type_embeddings.weight"]
+    if binary:
+        out["embedding.tokentype_embeddings.weight"] = types
+    elif bool(types.any()):
+        raise ValueError("a masked-LM BERT (no sentence-relationship head) with non-zero token-type embeddings has "
+                         "no equivalent here: token types exist only with the binary head")
+    if not tied:
+        out["output_layer.weight"] = _pad_rows(hf_state[_PRED + "decoder.weight"], padded_vocab_size)
+    for ours, theirs in _layernorm_pairs(num_layers, post_ln) + _linear_pairs(num_layers, binary):
         for leaf in ("weight", "bias"):
             out[f"{ours}.{leaf}"] = hf_state[f"{theirs}.{leaf}"]
     for i in range(num_layers):
@@ -112,22 +132,26 @@ def hf_to_megatron_bert(hf_state: Dict[str, torch.Tensor], num_layers: int, num_
 def megatron_to_hf_bert(state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, vocab_size: int,
                         post_ln: bool) -> Dict[str, torch.Tensor]:
     """Our full state dict -> a Hugging Face ``BertForPreTraining`` (``post_ln``) or ``MegatronBertForPreTraining``
-    state dict, the vocabulary cut back to ``vocab_size``. Needs the binary head and the token-type embedding."""
-    for key in ("embedding.tokentype_embeddings.weight", "binary_head.weight"):
-        if key not in state:
-            raise ValueError(f"Hugging Face BERT pre-training models need {key}: build the model with the binary "
-                             "head and 2 token types")
+    state dict, the vocabulary cut back to ``vocab_size``. A model without the binary head gives a masked-LM state
+    dict (``BertForMaskedLM`` / ``MegatronBertForMaskedLM``: no pooler) with one zero token-type row, so Hugging
+    Face's always-present token-type embedding adds nothing."""
+    binary = "binary_head.weight" in state
+    if binary != ("embedding.tokentype_embeddings.weight" in state):
+        raise ValueError("the binary head and the token-type embedding come together (2 token types with the "
+                         "binary head, none without it)")
     word = state["embedding.word_embeddings.weight"][:vocab_size]
+    types = (state["embedding.tokentype_embeddings.weight"] if binary
+             else word.new_zeros((1, word.shape[1])))  # [1, h]: HF adds token type 0 to every token
     out = {
         _EMB + "word_embeddings.weight": word,
         _EMB + "position_embeddings.weight": state["embedding.position_embeddings.weight"],
-        _EMB + "token_type_embeddings.weight": state["embedding.tokentype_embeddings.weight"],
+        _EMB + "token_type_embeddings.weight": types,
         _PRED + "bias": state["output_layer.bias"][:vocab_size],
         _PRED + "decoder.weight": state.get("output_layer.weight", state["embedding.word_embeddings.weight"])[
             :vocab_size],
     }
     out[_PRED + "decoder.bias"] = out[_PRED + "bias"]
-    for ours, theirs in _layernorm_pairs(num_layers, post_ln) + _linear_pairs(num_layers):
+    for ours, theirs in _layernorm_pairs(num_layers, post_ln) + _linear_pairs(num_layers, binary):
         for leaf in ("weight", "bias"):
             out[f"{theirs}.{leaf}"] = state[f"{ours}.{leaf}"]
     for i in range(num_layers):
