@@ -185,10 +185,12 @@ def bert_vocab_size(vocab_file: str) -> int:
 class Runner:
     """Runs configurations one process each; data is prepared once, on first need."""
 
-    def __init__(self, workdir: str, log_dir: str, iters: int, warmup: int, bert_vocab: str):
+    def __init__(self, workdir: str, log_dir: str, iters: int, warmup: int, bert_vocab: str,
+                 bert_prefix: str = None):
         self.workdir, self.log_dir, self.iters, self.warmup = workdir, log_dir, iters, warmup
         self.bert_vocab = bert_vocab
-        self.gpt_prefix = self.bert_prefix = self.bert_error = None
+        self.gpt_prefix = self.bert_error = None
+        self.bert_prefix = bert_prefix
 
     def _data(self, entry: str) -> tuple:
         """(data flags, planner flags) of an entry point; tokenises the bundled corpus the first time."""
@@ -299,7 +301,7 @@ def run_all(args, command: str) -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "iterations": f"{args.warmup} warm-up + {args.iters} timed (ms/iteration: the mean of the timed ones)"}
     runner = Runner(tempfile.mkdtemp(prefix="plan_validation_"), log_dir, args.iters, args.warmup,
-                    args.bert_vocab_file)
+                    args.bert_vocab_file, args.bert_data_prefix)
     out = os.path.join(args.results_dir, "plan_validation")
     measurements, skipped = [], []
     title = "Planner against measurement" + (" (tiny shapes on the CPU: checks the machinery)" if args.tiny else "")
@@ -355,6 +357,9 @@ def main() -> None:
                     default=os.environ.get("BERT_VOCAB_FILE", vocab if os.path.exists(vocab) else ""),
                     help="WordPiece vocab.txt for the BERT rows (default: ../shared/data/bert/vocab.txt when present, "
                          "else one trained on the bundled corpus)")
+    ap.add_argument("--bert-data-prefix", default=None,
+                    help="an already tokenised _text_sentence prefix for the BERT rows (made with --bert-vocab-file); "
+                         "default: the bundled corpus split into sentences here, which needs nltk")
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations first (Triton compilation falls here)")
     ap.add_argument("--budget-s", type=float, default=540.0,
