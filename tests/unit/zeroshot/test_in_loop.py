@@ -1,5 +1,5 @@
 """``--eval-tasks`` during training: the in-loop scores equal ``tasks/main.py`` on the checkpoint saved at the same
-iteration (TP=1, TP=2, DP=2, PP=2), and a run with the tasks has bit-identical training losses to one without
+iteration (TP=1, TP=2 with sequence parallelism, DP=2, PP=2 interleaved), and a run with the tasks has bit-identical training losses to one without
 (dropout on)."""
 
 import json
@@ -95,7 +95,8 @@ def test_in_loop_scores_equal_tasks_main_and_training_is_unchanged(tmp_path, cap
 
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "256", "--sequence-parallel"],
            "dp2": [],
-           "pp2": ["--pipeline-model-parallel-size", "2"]}
+           "pp2": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                   "--virtual-pipeline-model-parallel-size", "2"]}  # interleaved: two chunks per stage
 
 
 def _lambada_for(name, root):
