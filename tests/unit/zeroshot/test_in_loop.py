@@ -1,6 +1,6 @@
 """``--eval-tasks`` during training: the in-loop scores equal ``tasks/main.py`` on the checkpoint saved at the same
-iteration (TP=1, TP=2 with sequence parallelism, DP=2, PP=2 interleaved), and a run with the tasks has bit-identical training losses to one without
-(dropout on)."""
+iteration (TP=1, TP=2 with sequence parallelism, DP=2, PP=2 interleaved), and a run with the tasks has
+bit-identical training losses to one without (dropout on)."""
 
 import json
 import os
@@ -111,7 +111,8 @@ def _layouts_body(rank, world_size, root):
         summary = pretrain_gpt.main(_args(save=ckpt, save_interval=2, train_iters=2) + layout
                                     + _tasks(_lambada_for(name, root)))
         results[name] = {"valid": summary["valid"], "history": [h["lm loss"] for h in summary.get("history", [])]}
-    plain = pretrain_gpt.main(_args(train_iters=2) + LAYOUTS["tp2"])  # dropout on: the per-rank tracker must be restored too
+    # dropout on: the per-rank tracker's state must survive the evaluation too
+    plain = pretrain_gpt.main(_args(train_iters=2) + LAYOUTS["tp2"])
     results["tp2 without tasks"] = {"history": [h["lm loss"] for h in plain["history"]]}
     if rank == world_size - 1:  # the last pipeline stage holds the losses
         with open(os.path.join(root, "results.json"), "w") as f:
@@ -169,4 +170,5 @@ def test_bad_task_file_names_the_flag(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a fine passage"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=re.escape(f"--eval-lambada-data {bad} line 2: expected a JSON object")):
-        pretrain_gpt.main(_args(train_iters=1, lr_warmup_iters=0) + ["--eval-tasks", "lambada", "--eval-lambada-data", str(bad)])
+        pretrain_gpt.main(_args(train_iters=1, lr_warmup_iters=0)
+                          + ["--eval-tasks", "lambada", "--eval-lambada-data", str(bad)])
