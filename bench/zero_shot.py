@@ -191,10 +191,26 @@ def hf_lambada(model, tok, path, seq, strict, device, batch_size, pad_rows) -> d
 def save(args, meta, record) -> None:
     stem = "zero_shot_tiny" if args.tiny else "zero_shot"
     rows = [record]
-    body = ["| step | result |", "|---|---|"]
+    body = []
+    ours, hf = record.get("tasks/main.py (fp32)"), record.get("transformers (fp32)")
+    if ours:
+        w, lam, strict = ours["WIKITEXT103"], ours["LAMBADA"], ours["LAMBADA strict"]
+        body += ["| metric | tasks/main.py (fp32) | transformers, padded vocabulary | transformers, real vocabulary |",
+                 "|---|---|---|---|"]
+        hw = hf["WIKITEXT103"] if hf else {}
+        for key in ("avg loss", "ppl", "adjusted ppl"):
+            body.append(f"| WikiText {key} | {w[key]:.6f} | {hw.get(key + ', padded vocab', float('nan')):.6f} | "
+                        f"{hw.get(key, float('nan')):.6f} |")
+        for name, res in (("LAMBADA", lam), ("LAMBADA strict", strict)):
+            h = hf[name] if hf else {}
+            body.append(f"| {name} correct / {res['total examples']} | {res['number correct']} | "
+                        f"{h.get('number correct, padded vocab', '')} | {h.get('number correct', '')} |")
+        body.append("")
+    body += ["| step | result |", "|---|---|"]
     for key, value in record.items():
         if key not in ("commands",):
-            body.append(f"| {key} | `{json.dumps(value)}` |")
+            cell = json.dumps(value).replace("|", "\\|")  # log lines hold table bars
+            body.append(f"| {key} | `{cell}` |")
     body += ["", "Commands:", ""] + [f"- `{c}`" for c in record.get("commands", [])]
     write_results(args.results_dir, stem, meta, rows, "Zero-shot WikiText and LAMBADA of a model trained here", body)
     log(f"results written to {os.path.join(args.results_dir, stem)}.{{json,md}}")
