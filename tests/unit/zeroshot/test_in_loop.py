@@ -74,7 +74,8 @@ def test_in_loop_scores_equal_tasks_main_and_training_is_unchanged(tmp_path, cap
     lambada = str(tmp_path / "lambada.jsonl")
     _lambada_with_model_endings(plain_ckpt, lambada)
     capsys.readouterr()
-    with_tasks = pretrain_gpt.main(_args(save=ckpt, save_interval=2) + _tasks(lambada))
+    tb = tmp_path / "tb"
+    with_tasks = pretrain_gpt.main(_args(save=ckpt, save_interval=2, tensorboard_dir=str(tb)) + _tasks(lambada))
     out = capsys.readouterr().out
 
     assert [h["lm loss"] for h in with_tasks["history"]] == [h["lm loss"] for h in plain["history"]]
@@ -91,6 +92,15 @@ def test_in_loop_scores_equal_tasks_main_and_training_is_unchanged(tmp_path, cap
                                                       rel=2e-6)
     _assert_equal_scores(with_tasks["valid"], want, "TP=1, end of training")
     assert 0.0 < with_tasks["valid"]["lambada acc"] < 1.0
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    for key in ("lambada acc", "wikitext ppl", "wikitext adjusted ppl"):
+        scalars = {e.step: e.value for e in events.Scalars(key)}
+        assert sorted(scalars) == [2, 4]
+        assert scalars[4] == pytest.approx(with_tasks["valid"][key], rel=1e-6)  # TensorBoard stores float32
 
 
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "256", "--sequence-parallel"],
