@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -25,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megatron.core.inference.launch import add_model_arguments, build_engine, is_output_rank, run_tool  # noqa: E402
-from tasks.zeroshot_gpt.datasets import build_lambada, build_wikitext  # noqa: E402
-from tasks.zeroshot_gpt.evaluate import score_samples  # noqa: E402
+from megatron.core.inference.zeroshot import count_targets, score_samples, wikitext_metrics  # noqa: E402
+from megatron.core.inference.zeroshot_data import build_lambada, build_wikitext  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 
@@ -81,10 +80,10 @@ def run(args) -> dict:
         stride = args.overlapping_eval or seq
         data = build_wikitext(args.valid_data, tok, seq, stride)
         total = score_samples(engine, data.samples, args.micro_batch_size, "loss", log, args.log_interval)
-        loss = total / (data.num_tokenized_tokens - 1)
-        ratio = (data.num_tokenized_tokens - 1) / max(data.num_original_tokens - 1, 1)
-        result = {"task": args.task, "avg loss": loss, "ppl": math.exp(min(20.0, loss)),
-                  "adjusted ppl": math.exp(min(20.0, loss * ratio)), "token ratio": ratio,
+        ratio = data.token_ratio
+        metrics = wikitext_metrics(total, count_targets(data.samples), ratio)
+        loss = metrics["avg loss"]
+        result = {"task": args.task, **metrics, "token ratio": ratio,
                   "tokens": data.num_tokenized_tokens, "words": data.num_original_tokens,
                   "windows": len(data.samples), "seq length": seq, "overlapping eval": stride}
         line = (f"validation results on {args.task} | avg loss: {loss:.4E} | ppl: {result['ppl']:.4E} | "

@@ -252,6 +252,9 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
         _check_cuda_graph(ns, world_size)
     if ns.fp8_format is not None:
         _check_fp8(ns, tp)
+    from megatron.training.downstream_eval import validate_eval_tasks
+
+    validate_eval_tasks(ns)
     return ns
 
 

@@ -181,9 +181,21 @@ class TrainingConfig:
     cuda_graph_warmup_steps: int
 
 
+@dataclass(frozen=True)
+class DownstreamEvalConfig:
+    """``--eval-tasks``: zero-shot tasks scored on the model being trained (``downstream_eval.py``)."""
+    eval_tasks: Tuple[str, ...]  # lambada and/or wikitext; empty: none
+    eval_lambada_data: Optional[str]
+    eval_wikitext_data: Optional[str]
+    eval_strict_lambada: bool
+    eval_overlapping_eval: Optional[int]  # WikiText window stride (None: --seq-length, no overlap)
+    eval_tasks_max_examples: Optional[int]  # per task: the first N passages / windows (None: all)
+
+
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
             "optimizer": OptimizerSection, "scheduler": SchedulerConfig, "data": DataConfig,
-            "checkpointing": CheckpointConfig, "logging": LoggingConfig, "training": TrainingConfig}
+            "checkpointing": CheckpointConfig, "logging": LoggingConfig, "training": TrainingConfig,
+            "downstream_eval": DownstreamEvalConfig}
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,7 @@ class RunConfig:
     checkpointing: CheckpointConfig
     logging: LoggingConfig
     training: TrainingConfig
+    downstream_eval: DownstreamEvalConfig
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod

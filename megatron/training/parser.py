@@ -231,7 +231,25 @@ def _recompute_and_kernels(p: argparse.ArgumentParser) -> None:
                    help="write weight gradients to .grad and add them to the fp32 buffer afterwards")
 
 
+def _downstream_eval(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("zero-shot evaluation during training")
+    g.add_argument("--eval-tasks", default=None, metavar="TASKS",
+                   help="comma-separated zero-shot tasks scored on the model at every --eval-interval and at the "
+                        "end, next to the validation loss: lambada (last-word accuracy), wikitext (perplexity)")
+    g.add_argument("--eval-lambada-data", default=None, metavar="FILE",
+                   help="--eval-tasks lambada: the passages, one {\"text\": ...} JSON object per line")
+    g.add_argument("--eval-wikitext-data", default=None, metavar="FILE",
+                   help="--eval-tasks wikitext: the raw WikiText file (e.g. wiki.test.tokens)")
+    g.add_argument("--eval-strict-lambada", action="store_true",
+                   help="--eval-tasks lambada: require every token of the whole last word, not only the last token")
+    g.add_argument("--eval-overlapping-eval", type=int, default=None, metavar="N",
+                   help="--eval-tasks wikitext: windows start every N tokens and only their last N targets count "
+                        "(default --seq-length: no overlap)")
+    g.add_argument("--eval-tasks-max-examples", type=int, default=None, metavar="N",
+                   help="score only the first N LAMBADA passages and the first N WikiText windows (default all)")
+
+
 def build_parser(p: argparse.ArgumentParser) -> None:
     for add in (_model, _parallel, _precision, _optimizer, _training, _data, _checkpointing, _logging,
-                _recompute_and_kernels):
+                _recompute_and_kernels, _downstream_eval):
         add(p)

@@ -24,6 +24,7 @@ from megatron.training import checkpoint_io as cio
 from megatron.training import checkpointing
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
+from megatron.training.downstream_eval import build_downstream_evaluator
 from megatron.training.dry_run import wants_dry_run
 from megatron.training.flag_table import ConfigError, SharedError
 from megatron.training.run_lock import RunLockError, acquire_for_job
@@ -150,6 +151,7 @@ class Trainer:
         self.plain_args = cfg.to_plain_dict()
         self.tb = TensorBoardLogger(cfg.logging, pstate.rank == pstate.world_size - 1, self.plain_args)
         self.signal_received = False
+        self.downstream = None  # a DownstreamEvaluator with --eval-tasks (set by pretrain())
         if cfg.training.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -225,15 +227,21 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, split: str, label: str) -> Optional[dict]:
         eval_iters = self.train_cfg.eval_iters
-        if eval_iters == 0 or self.iterators.get(split) is None:
+        downstream = self.downstream if split == "valid" else None  # --eval-tasks, next to the validation loss
+        has_loss = eval_iters > 0 and self.iterators.get(split) is not None
+        if not has_loss and downstream is None:
             return None
         for chunk in self.model:
             chunk.eval()
         totals: dict = {}
         with torch.no_grad():
-            for _ in range(eval_iters):
+            for _ in range(eval_iters if has_loss else 0):
                 for key, value in self._reduce_losses(self._schedule(self.iterators[split], True)).items():
                     totals[key] = totals.get(key, 0.0) + value / eval_iters
+        if downstream is not None:
+            scores = downstream.evaluate(self.model)
+            totals.update(scores)
+            self.tb.scalars(self.iteration, scores)
         for chunk in self.model:
             chunk.train()
         if self.pstate.is_pipeline_last_stage:
@@ -504,6 +512,9 @@ def _train(cfg: RunConfig, pstate: ParallelState, model_provider: Callable, forw
     with torch.random.fork_rng(devices=[]):
         trainer.iterators = build_iterators(ctx, datasets_provider, trainer.consumed_train_samples,
                                              consumed_valid, len(model))
+    trainer.downstream = build_downstream_evaluator(cfg, ctx.tokenizer, model, pstate)
+    if trainer.downstream is not None:
+        print_rank_0(f"> zero-shot tasks at every evaluation: {trainer.downstream.describe()}")
     summary = {"iteration": trainer.iteration}
     if not t.skip_train and trainer.iteration < t.train_iters:
         result = trainer.run(start_time)

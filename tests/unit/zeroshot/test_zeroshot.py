@@ -10,8 +10,7 @@ import torch
 from megatron.core.inference import InferenceEngine, load_gpt_for_inference
 from megatron.core.tokenizer import build_tokenizer
 from tasks.main import parse_args, run
-from tasks.zeroshot_gpt.datasets import lm_windows
-from tasks.zeroshot_gpt.detokenizer import wikitext_detokenize
+from megatron.core.inference.zeroshot_data import lm_windows, wikitext_detokenize
 from tests.conftest import SHARED_DATA
 from tests.dist_utils import run_distributed
 from tests.unit.zeroshot.tp_body import LAMBADA, WIKI, tp2_body
