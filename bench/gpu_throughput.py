@@ -224,7 +224,7 @@ def run_ours_wrapper(argv: list) -> None:
     """Run pretrain_gpt.py in this process and print its peak allocated memory at exit.
 
     With BENCH_PROFILE=start:count, the steps launched as the start-th to (start+count-1)-th
-    (``Trainer.launch_step``; the run needs start+count iterations) are recorded with
+    (the step executor's ``launch``; the run needs start+count iterations) are recorded with
     torch.profiler and a kernel table plus a Chrome trace are written to BENCH_PROFILE_DIR, and the GPU timeline's
     busy time and gaps per iteration are printed (``BENCH_TIMELINE``).
     """
@@ -261,10 +261,11 @@ def run_ours_wrapper(argv: list) -> None:
 
         start, count = (int(x) for x in prof_spec.split(":"))
         out_dir = os.environ.get("BENCH_PROFILE_DIR", ".")
-        original = getattr(getattr(training_mod, "Trainer", None), "launch_step", None)
-        if original is None:
-            raise SystemExit("BENCH_PROFILE: megatron.training.training.Trainer.launch_step (where one training "
-                             "step starts) is not there; point the profiling hook at the function that starts a step")
+        make_executor = getattr(getattr(training_mod, "Trainer", None), "make_step_executor", None)
+        if make_executor is None:
+            raise SystemExit("BENCH_PROFILE: megatron.training.training.Trainer.make_step_executor (which builds "
+                             "the object whose launch() starts a step) is not there; point the profiling hook at "
+                             "the function that starts a step")
         state = {"n": 0, "prof": None}
 
         def sync():
@@ -286,19 +287,26 @@ def run_ours_wrapper(argv: list) -> None:
             prof.export_chrome_trace(trace)
             print(gpu_timeline_summary(trace, count), flush=True)
 
-        def launch_step(self, ahead=False):
-            # the window holds exactly the steps launched as the start-th .. (start+count-1)-th
-            state["n"] += 1
-            if state["n"] == start + count and state["prof"] is not None:
-                stop()
-            if state["n"] == start:
-                sync()  # nothing launched earlier runs inside the window
-                state["prof"] = torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-                state["prof"].__enter__()
-            return original(self, ahead)
+        def profiled_executor(self):
+            executor = make_executor(self)
+            launch = executor.launch
 
-        training_mod.Trainer.launch_step = launch_step
+            def profiled_launch(ahead):
+                # the window holds exactly the steps launched as the start-th .. (start+count-1)-th
+                state["n"] += 1
+                if state["n"] == start + count and state["prof"] is not None:
+                    stop()
+                if state["n"] == start:
+                    sync()  # nothing launched earlier runs inside the window
+                    state["prof"] = torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                    state["prof"].__enter__()
+                return launch(ahead)
+
+            executor.launch = profiled_launch  # this executor's steps all start here
+            return executor
+
+        training_mod.Trainer.make_step_executor = profiled_executor
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 

@@ -23,13 +23,13 @@ allocate there), the next one is captured and replayed, and every later one is o
 (non-finite grad norm) is done by the fused AdamW itself (``found_inf``), so nothing in the graph depends on a
 value read back by the host.
 
-Running ahead: a step is ``launch``-ed and later ``finish``-ed (its results read). The trainer launches step
-``n + 1`` before it reads step ``n``'s results whenever nothing has to happen between the two (no evaluation,
-checkpoint or exit after step ``n``), so the GPU replays step ``n + 1`` while the host logs step ``n``. The
-learning rate of step ``n + 1`` depends on whether step ``n`` was skipped (the schedule only advances on
-successful steps), which the host does not know yet: it provides both candidates, and the graph itself picks one
-from the previous replay's ``found_inf`` (``lr = found_inf ? lr_if_skipped : lr_if_ok``), so the schedule is
-exactly that of the eager trainer.
+Running ahead: a step is ``launch``-ed and later ``finish``-ed (its results read). ``CudaGraphStep``
+(``step_executor.py``) launches step ``n + 1`` before it reads step ``n``'s results whenever the training loop has
+nothing to do between the two (no evaluation, checkpoint or exit after step ``n``), so the GPU replays step
+``n + 1`` while the host logs step ``n``. The learning rate of step ``n + 1`` depends on whether step ``n`` was
+skipped (the schedule only advances on successful steps), which the host does not know yet: it provides both
+candidates, and the graph itself picks one from the previous replay's ``found_inf``
+(``lr = found_inf ? lr_if_skipped : lr_if_ok``), so the schedule is exactly that of the eager trainer.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class _StaticBatches:
 class FullIterationCudaGraph:
     """Runs training steps through one captured CUDA graph.
 
-    ``eager_step()`` is the trainer's ordinary step (returns ``(mean loss statistics, update_ok, grad_norm)``);
+    ``eager_step()`` is the trainer's ordinary step (``Trainer.train_step``: returns ``(mean loss statistics,
+    update_ok, grad_norm)``);
     ``captured_body(data_iterator)`` runs one step's GPU work without host synchronisation and returns
     ``(mean loss statistics {name: 0-dim tensor}, found_inf, grad_norm)``, all on the device; ``torch_optimizer`` is the optimizer whose
     ``lr`` the scheduler sets.

@@ -24,6 +24,7 @@ from megatron.training import checkpoint_io as cio
 from megatron.training import checkpointing
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
+from megatron.training.cuda_graph import FullIterationCudaGraph
 from megatron.training.downstream_eval import build_downstream_evaluator
 from megatron.training.dry_run import wants_dry_run
 from megatron.training.flag_table import ConfigError, SharedError
@@ -31,6 +32,7 @@ from megatron.training.run_lock import RunLockError, acquire_for_job
 from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
                                        num_floating_point_operations, perplexity)
 from megatron.training.scheduler import OptimizerParamScheduler
+from megatron.training.step_executor import CudaGraphStep, EagerStep, StepExecutor, StepResult
 
 
 def print_rank_0(msg: str) -> None:
@@ -143,7 +145,6 @@ class Trainer:
             sc.weight_decay,
         )
         self.forward_backward = get_forward_backward_func(pstate)
-        self.cuda_graph = None  # built at the first step with --enable-cuda-graph
         self.iteration = 0
         self.consumed_train_samples = 0
         self.skipped_iters = 0
@@ -177,14 +178,15 @@ class Trainer:
             return {}
         return {key: _dp_mean(value.clone(), self.pstate).item() for key, value in microbatch_means(stats).items()}
 
-    def _eager_step(self) -> tuple:
+    def train_step(self) -> tuple:
+        """One eager step: ``(mean losses, update_ok, grad_norm)``; the schedule is advanced by the executor."""
         self.optimizer.zero_grad()  # zeroes every chunk's grad buffer
         delayed_scaling_step()  # --fp8-recipe delayed: this step's scales from the amax history
         stats = self._schedule(self.iterators["train"], forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         return self._reduce_losses(stats), ok, grad_norm
 
-    def _captured_step_body(self, static_iterator) -> tuple:
+    def captured_train_step(self, static_iterator) -> tuple:
         """One step's GPU work with no host synchronisation (what ``--enable-cuda-graph`` captures)."""
         self.optimizer.zero_grad()
         delayed_scaling_step()
@@ -192,34 +194,23 @@ class Trainer:
         found_inf, grad_norm = self.optimizer.step_without_sync()
         return microbatch_means(stats), found_inf, grad_norm
 
-    def launch_step(self, ahead: bool = False):
-        """Start one training step; ``finish_step`` reads its results. Eager, the whole step runs here. Under
-        ``--enable-cuda-graph`` a replay is launched; ``ahead``: the previous launched step is still unread, so
-        this step's learning rate depends on whether that one updates (the graph picks, see cuda_graph.py)."""
-        if not self.train_cfg.enable_cuda_graph:
-            return self._eager_step()
-        if self.cuda_graph is None:
-            from megatron.training.cuda_graph import FullIterationCudaGraph
-
-            self.cuda_graph = FullIterationCudaGraph(
-                self.iterators["train"][0], self.train_cfg.num_microbatches, self._eager_step,
-                self._captured_step_body, self.optimizer.optimizer, self.train_cfg.cuda_graph_warmup_steps,
-                torch.device("cuda", torch.cuda.current_device()))
-        now = self.scheduler.group_lrs(0)
-        return self.cuda_graph.launch(self.scheduler.group_lrs(1) if ahead else now, now)
-
-    def finish_step(self, handle) -> tuple:
-        """``(mean losses, update_ok, grad_norm)`` of a launched step; advances the schedule if it updated."""
-        losses, ok, grad_norm = self.cuda_graph.finish(handle) if self.train_cfg.enable_cuda_graph else handle
-        if ok:
-            self.scheduler.step(1)
-        return losses, ok, grad_norm
+    def make_step_executor(self) -> StepExecutor:
+        """How each step runs (``step_executor.py``): eagerly, or under ``--enable-cuda-graph`` captured once after
+        the warm-up steps and replayed, one step ahead where the loop allows."""
+        t = self.train_cfg
+        if not t.enable_cuda_graph:
+            return EagerStep(self.train_step, self.scheduler)
+        graph = FullIterationCudaGraph(
+            self.iterators["train"][0], t.num_microbatches, self.train_step, self.captured_train_step,
+            self.optimizer.optimizer, t.cuda_graph_warmup_steps, torch.device("cuda", torch.cuda.current_device()))
+        return CudaGraphStep(graph, self.scheduler)
 
     def _may_run_ahead(self, n: int) -> bool:
-        """Whether step ``n + 1`` may be launched before step ``n``'s results are read: only replays, and only
-        when nothing (evaluation, a checkpoint, an exit, the end) has to happen after step ``n``."""
+        """Whether step ``n + 1`` may be launched before step ``n``'s results are read: only when nothing
+        (evaluation, a checkpoint, an exit, the end) has to happen after step ``n``. The executor decides whether
+        it can (only CUDA-graph replays do)."""
         t = self.train_cfg
-        if self.cuda_graph is None or not self.cuda_graph.replaying or n >= t.train_iters:
+        if n >= t.train_iters:
             return False
         return not any(interval and n % interval == 0
                        for interval in (t.eval_interval, self.ckpt_cfg.save_interval, t.exit_interval))
@@ -287,80 +278,79 @@ class Trainer:
             raise NonFiniteError(f"iteration {self.iteration}: the {what} is not finite "
                                  "(--check-for-nan-in-loss-and-grad)")
 
-    def run(self, start_time: float) -> dict:
+    def _exit_reason(self, start: float) -> Optional[str]:
+        """Why the run stops after this iteration (--exit-interval, time limit, SIGTERM), or None."""
+        if self.train_cfg.exit_interval and self.iteration % self.train_cfg.exit_interval == 0:
+            return "exit-interval"
+        return self._should_exit_for_time(start)
+
+    def _record(self, result: StepResult, dt: float, window: "_LogWindow") -> None:
+        """Count one finished iteration, check it, and print/record its log line and TensorBoard scalars."""
         t, ps, log = self.train_cfg, self.pstate, self.log_cfg
+        losses, ok, grad_norm = result
+        window.add(dt, losses)
+        if t.check_for_nan_in_loss_and_grad:
+            self._check_finite(losses, grad_norm)
+        bad = (grad_norm is not None and not math.isfinite(grad_norm)) or any(
+            not math.isfinite(v) for v in losses.values())
+        self.skipped_iters += int(not ok)
+        self.nan_iters += int(bad)
+        lr = self.optimizer.param_groups[0]["lr"]
+        tokens_per_iter = t.global_batch_size * self.activation_shape["seq_length"]
+        if self.iteration % log.log_interval == 0:
+            elapsed, avg = window.take()
+            tflops = self.flops_per_iteration / (elapsed * ps.world_size * 1e12) if log.log_throughput else None
+            tok_s = tokens_per_iter / elapsed / ps.world_size
+            print_rank_last(format_iteration_line(
+                self.iteration, t.train_iters, self.consumed_train_samples, elapsed * 1000.0, lr,
+                t.global_batch_size, avg, self.optimizer.loss_scale_value(), grad_norm,
+                self.skipped_iters, self.nan_iters, tflops, tok_s if log.log_throughput else None))
+        if self.iteration % log.tensorboard_log_interval == 0:
+            self.tb.scalars(self.iteration, {
+                "lm loss": losses.get("lm loss"), "learning-rate": lr, "grad-norm": grad_norm,
+                "loss-scale": self.optimizer.loss_scale_value(), "batch-size": t.global_batch_size,
+                "throughput-tflops-per-gpu": self.flops_per_iteration / (dt * ps.world_size * 1e12),
+                "tokens-per-sec": tokens_per_iter / dt,
+            })
+
+    def run(self, start_time: float) -> dict:
+        """Train until --train-iters or an exit; one pass of the loop is one iteration: the step, its accounting
+        and log line, then evaluation, a checkpoint and the exit checks at their intervals."""
+        t = self.train_cfg
         save_interval = self.ckpt_cfg.save_interval
         for chunk in self.model:
             chunk.train()
-        flops_per_iter = self.flops_per_iteration
-        tokens_per_iter = t.global_batch_size * self.activation_shape["seq_length"]
-        window_time, window_iters, window_losses = 0.0, 0, {}
+        executor = self.make_step_executor()
+        window = _LogWindow()
         history, total_train_time, exited, n_run = [], 0.0, None, 0
         # An iteration's time runs from the end of the previous one, so the loop's own work (logging, the
-        # checks below) counts, as in Megatron's interval timer; evaluation and checkpointing do not.
-        # Under --enable-cuda-graph the next step is launched before this one's results are read (when
-        # _may_run_ahead allows), so the GPU replays it while the host logs; ``ahead`` is that launched step.
-        t_end, ahead, stop_after_ahead = None, None, None
+        # checks below) counts, as in Megatron's interval timer; evaluation and checkpointing do not (t_end None
+        # restarts the clock). An executor that runs ahead has launched the next step when ``step`` returns; an
+        # exit decided then waits for that step (``exit_after_in_flight``), which finishes and counts first.
+        t_end, exit_after_in_flight = None, None
         while self.iteration < t.train_iters:
             if t_end is None:
                 _sync()
                 t_end = time.time()
-            handle = ahead if ahead is not None else self.launch_step()
-            ahead = None
-            if stop_after_ahead is None and self._may_run_ahead(self.iteration + 1):
-                ahead = self.launch_step(ahead=True)
-            losses, ok, grad_norm = self.finish_step(handle)
-            if ahead is None:
-                _sync()
+            result = executor.step(run_ahead=exit_after_in_flight is None and self._may_run_ahead(self.iteration + 1))
             now = time.time()
             dt, t_end = now - t_end, now
             self.iteration += 1
             n_run += 1
             self.consumed_train_samples += t.global_batch_size
             total_train_time += dt
-            window_time, window_iters = window_time + dt, window_iters + 1
-            for k, v in losses.items():
-                window_losses[k] = window_losses.get(k, 0.0) + v
-            if t.check_for_nan_in_loss_and_grad:
-                self._check_finite(losses, grad_norm)
-            bad = (grad_norm is not None and not math.isfinite(grad_norm)) or any(
-                not math.isfinite(v) for v in losses.values())
-            self.skipped_iters += int(not ok)
-            self.nan_iters += int(bad)
-            if ps.is_pipeline_last_stage:
-                history.append({"iteration": self.iteration, **losses, "grad_norm": grad_norm})
-            lr = self.optimizer.param_groups[0]["lr"]
-            if self.iteration % log.log_interval == 0:
-                elapsed = window_time / window_iters
-                tflops = flops_per_iter / (elapsed * ps.world_size * 1e12) if log.log_throughput else None
-                tok_s = tokens_per_iter / elapsed / ps.world_size
-                avg = {k: v / window_iters for k, v in window_losses.items()}
-                print_rank_last(format_iteration_line(
-                    self.iteration, t.train_iters, self.consumed_train_samples, elapsed * 1000.0, lr,
-                    t.global_batch_size, avg, self.optimizer.loss_scale_value(), grad_norm,
-                    self.skipped_iters, self.nan_iters, tflops, tok_s if log.log_throughput else None))
-                window_time, window_iters, window_losses = 0.0, 0, {}
-            if self.iteration % log.tensorboard_log_interval == 0:
-                self.tb.scalars(self.iteration, {
-                    "lm loss": losses.get("lm loss"), "learning-rate": lr, "grad-norm": grad_norm,
-                    "loss-scale": self.optimizer.loss_scale_value(), "batch-size": t.global_batch_size,
-                    "throughput-tflops-per-gpu": flops_per_iter / (dt * ps.world_size * 1e12),
-                    "tokens-per-sec": tokens_per_iter / dt,
-                })
+            self._record(result, dt, window)
+            if self.pstate.is_pipeline_last_stage:
+                history.append({"iteration": self.iteration, **result.losses, "grad_norm": result.grad_norm})
             if t.eval_interval and self.iteration % t.eval_interval == 0 and self.iteration < t.train_iters:
                 self.evaluate("valid", "validation")
                 t_end = None
             if save_interval and self.iteration % save_interval == 0:
                 self.save()
                 t_end = None
-            if stop_after_ahead is not None:
-                exited = stop_after_ahead
-            elif t.exit_interval and self.iteration % t.exit_interval == 0:
-                exited = "exit-interval"
-            else:
-                exited = self._should_exit_for_time(start_time)
-            if exited and ahead is not None:
-                stop_after_ahead, exited = exited, None  # the launched step runs to its end and counts first
+            exited = exit_after_in_flight or self._exit_reason(start_time)
+            if exited and executor.in_flight:
+                exit_after_in_flight, exited = exited, None
                 continue
             if exited:
                 if not (save_interval and self.iteration % save_interval == 0):
@@ -368,6 +358,24 @@ class Trainer:
                 print_rank_0(f"exiting at iteration {self.iteration} ({exited})")
                 break
         return {"history": history, "train_time": total_train_time, "exited": exited, "iterations_run": n_run}
+
+
+class _LogWindow:
+    """The iterations since the last log line: their time and summed losses, averaged when the line is printed."""
+
+    def __init__(self):
+        self.time, self.iters, self.losses = 0.0, 0, {}
+
+    def add(self, dt: float, losses: dict) -> None:
+        self.time, self.iters = self.time + dt, self.iters + 1
+        for k, v in losses.items():
+            self.losses[k] = self.losses.get(k, 0.0) + v
+
+    def take(self) -> tuple:
+        """``(mean time per iteration, mean of each loss)`` of the window, which starts over."""
+        out = (self.time / self.iters, {k: v / self.iters for k, v in self.losses.items()})
+        self.time, self.iters, self.losses = 0.0, 0, {}
+        return out
 
 
 def build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: int, consumed_valid: int,

@@ -1,30 +1,49 @@
-"""The training loop's order of work (Trainer.run), with the step itself replaced by a recorder.
+"""The training loop's order of work (Trainer.run) with the real step executors and a stand-in for the graph.
 
 Under ``--enable-cuda-graph`` the loop launches step ``n + 1`` before it reads step ``n``'s results. These tests
-run the real ``Trainer.run`` and ``Trainer._may_run_ahead`` on CPU and check, from the recorded order of
-launches, reads, evaluations and saves, that no evaluation or checkpoint ever sees a later step already
-launched, that a step runs ahead wherever the rules allow, and that an exit waits for the step in flight.
+run the real ``Trainer.run``, ``Trainer._may_run_ahead``, ``EagerStep`` and ``CudaGraphStep`` on CPU, with the
+captured graph replaced by a recorder of launches and reads (``FullIterationCudaGraph`` needs a GPU), and check,
+from the recorded order of launches, reads, evaluations and saves, that no evaluation or checkpoint ever sees a
+later step already launched, that a step runs ahead wherever the rules allow, that an exit waits for the step in
+flight, and that every step gets the learning rate of the eager loop, skipped steps included.
 """
 
 import types
 
 from megatron.training import training
 from megatron.training.scheduler import OptimizerParamScheduler
+from megatron.training.step_executor import CudaGraphStep, EagerStep
 
 
 class _Graph:
-    def __init__(self):
-        self.launches = 0
+    """Stands in for FullIterationCudaGraph: records each launch (with the two learning-rate candidates it gets)
+    and each read; captured at the third launch (two warm-up steps), as with --cuda-graph-warmup-steps 2."""
+
+    def __init__(self, events, skipped):
+        self.events, self.skipped, self.unread, self.launches = events, skipped, [], 0
 
     @property
-    def replaying(self):  # captured at the third launch (two warm-up steps), as with --cuda-graph-warmup-steps 2
+    def replaying(self):
         return self.launches >= 3
+
+    def launch(self, lrs_if_ok, lrs_if_skipped):
+        self.launches += 1
+        n = self.launches
+        self.events.append(("launch", n, bool(self.unread), (lrs_if_ok, lrs_if_skipped)))
+        self.unread.append(n)
+        return n
+
+    def finish(self, handle):
+        assert self.unread and self.unread[0] == handle, "steps are read in launch order"
+        self.unread.pop(0)
+        self.events.append(("finish", handle))
+        return {"lm loss": 1.0}, handle not in self.skipped, 1.0
 
 
 class _Recorder(training.Trainer):
     """A Trainer whose step, evaluation, save and time check only record what the loop asks for."""
 
-    def __init__(self, graph: bool, exit_for_time_at=None, **args):
+    def __init__(self, graph: bool, exit_for_time_at=None, skipped=(), **args):
         training_cfg = dict(train_iters=12, global_batch_size=8, eval_interval=None, exit_interval=None,
                             enable_cuda_graph=graph, check_for_nan_in_loss_and_grad=False)
         ckpt_cfg = dict(save="ckpt", save_interval=None)
@@ -41,27 +60,25 @@ class _Recorder(training.Trainer):
         self.scheduler = OptimizerParamScheduler(self.optimizer, 1.0, 0.1, 2, 12, "cosine", 0.0)
         self.tb = types.SimpleNamespace(scalars=lambda *a, **k: None)
         self.iteration = self.consumed_train_samples = self.skipped_iters = self.nan_iters = 0
-        self.cuda_graph = _Graph() if graph else None
         self.exit_for_time_at = exit_for_time_at
-        self.events, self.unread = [], []
+        self.events, self.skipped = [], set(skipped)
+        self.graph = _Graph(self.events, self.skipped) if graph else None
 
-    def launch_step(self, ahead: bool = False):
+    def make_step_executor(self):
+        if self.graph is not None:
+            return CudaGraphStep(self.graph, self.scheduler)
+        return EagerStep(self._eager, self.scheduler)
+
+    def _eager(self):
         n = len([e for e in self.events if e[0] == "launch"]) + 1
-        assert ahead == bool(self.unread), "ahead must be set exactly when a launched step is still unread"
-        # the learning rates the graph gets: this step's if the unread one updates, and if it is skipped
-        lrs = (self.scheduler.group_lrs(1 if ahead else 0), self.scheduler.group_lrs(0))
-        self.events.append(("launch", n, ahead, lrs))
-        self.unread.append(n)
-        if self.cuda_graph is not None:
-            self.cuda_graph.launches += 1
-        return n
+        lrs = self.scheduler.group_lrs(0)  # the rate the optimizer reads from its param groups
+        assert lrs == [self.optimizer.param_groups[0]["lr"]]
+        self.events += [("launch", n, False, (lrs, lrs)), ("finish", n)]
+        return {"lm loss": 1.0}, n not in self.skipped, 1.0
 
-    def finish_step(self, handle):
-        assert self.unread and self.unread[0] == handle, "steps are read in launch order"
-        self.unread.pop(0)
-        self.events.append(("finish", handle))
-        self.scheduler.step(1)
-        return {"lm loss": 1.0}, True, 1.0
+    @property
+    def unread(self):
+        return self.graph.unread if self.graph is not None else []
 
     def evaluate(self, split, label):
         self.events.append(("eval", self.iteration, len(self.unread)))
@@ -127,3 +144,21 @@ def test_exit_interval_stops_running_ahead():
     out = t.run(0.0)
     assert out["exited"] == "exit-interval" and t.iteration == 6
     assert t.events[-1] == ("save", 6, 0) and _ahead_launches(t) == [4, 5, 6]
+
+
+def test_skipped_steps_get_the_learning_rates_of_the_eager_loop():
+    skipped = {5, 6, 9}  # steps whose update is skipped (non-finite gradient): the schedule does not advance
+    graph, eager = _Recorder(graph=True, skipped=skipped), _Recorder(graph=False, skipped=skipped)
+    graph.run(0.0)
+    eager.run(0.0)
+    lr_eager = {e[1]: e[3][0] for e in eager.events if e[0] == "launch"}
+    launches = [e for e in graph.events if e[0] == "launch"]
+    for _, n, ahead, (if_ok, if_skipped) in launches:
+        # what the captured graph computes on the device from the previous replay's found_inf
+        lr = if_skipped if n - 1 in skipped else if_ok
+        assert lr == lr_eager[n], n
+        if not ahead:
+            assert if_ok == if_skipped
+    assert {n for _, n, ahead, _ in launches if ahead and n - 1 in skipped} == {6, 7, 10}, "the case is exercised"
+    assert graph.scheduler.num_steps == eager.scheduler.num_steps == 12 - len(skipped)
+    assert graph.skipped_iters == eager.skipped_iters == len(skipped)
