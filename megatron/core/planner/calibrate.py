@@ -11,6 +11,9 @@ fragmentation, which come from whole training runs) is carried over from a base 
 the host floor of one transformer layer (``overheads.host_ms_per_layer``): forward and backward of the library's
 own ``TransformerLayer`` at a tiny size inside the data-parallel wrapper, where the GPU waits for the Python and
 kernel-launch work, so the time is that work's; a small model or micro-batch cannot run faster than it.
+The GEMM tables the time model reads (``gemm_tflops``) are derived from the measured ones (kept under
+``gemm_tflops_measured``) by the rules of ``derive_gemm_tables``: the running maximum over sizes, and FP8 at
+least the bf16 rate.
 ``device="cpu"`` runs the same code on the CPU (small sizes) to try the routine out; ``quick`` shortens every
 timing loop (a smoke test of the routine, not a calibration to keep).
 """
