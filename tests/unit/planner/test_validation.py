@@ -146,3 +146,15 @@ def test_gemm_tables_take_the_running_maximum_and_fp8_at_least_bf16():
     assert measured["bf16"][2] == [1.6e10, 80.0]  # the measured table is left as it was
     shipped = load_calibration("h200")
     assert shipped["gemm_tflops"] == derive_gemm_tables(shipped["gemm_tflops_measured"])
+
+
+def test_shipped_calibration_on_the_h200_measurements():
+    """The H200 runs of bench/results/plan_measurements.json predicted again with the shipped calibration."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "results", "plan_measurements.json")
+    rows = compare(load_measurements(path), {"shipped": load_calibration("h200")})
+    assert len(rows) == 14
+    assert all(r["mem_within_10pct"] for r in rows), [(r["config"], r["mem_error"]) for r in rows]
+    misses = [(r["config"], r["time_error"]) for r in rows if not r["time_within_15pct"]]
+    assert len(misses) <= 2, misses
+    fitted = {"gpt124m_mb4_none", "gpt124m_mb8_full", "bert_large_mb8_none", "bert_large_mb8_full"}
+    assert sum(r["time_within_15pct"] for r in rows if r["config"] not in fitted) >= 8  # out of sample
