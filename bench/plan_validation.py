@@ -262,11 +262,26 @@ def _write(out: str, measurements: list, calibrations: dict, meta: dict, command
     rows = compare(measurements, cals)
     paths = {label: os.path.relpath(c["_path"], ROOT) if c["_path"].startswith(ROOT) else c["_path"]
              for label, c in cals.items()}
+    notes = list(notes) + fitted_notes(cals)
     with open(out + ".json", "w") as f:
         json.dump(rows, f, indent=1)
     with open(out + ".md", "w") as f:
-        f.write(markdown(rows, title, paths, command, notes=[f"{k}: {v}" for k, v in meta.items()] + list(notes)))
+        f.write(markdown(rows, title, paths, command, notes=[f"{k}: {v}" for k, v in meta.items()] + notes))
     return rows
+
+
+def fitted_notes(cals: dict) -> list:
+    """One line per calibration whose ``derivation`` marks entries as fitted to validation runs (in-sample)."""
+    out = []
+    for label, cal in cals.items():
+        derivation = cal.get("derivation")
+        fitted = [k for k, v in derivation.items() if str(v).startswith("IN-SAMPLE")] \
+            if isinstance(derivation, dict) else []
+        if fitted:
+            out.append(f"In-sample: calibration `{label}` has {', '.join(fitted)} fitted to validation runs (its "
+                       "'derivation' names them); where those are the runs of this table, the rows they were fitted "
+                       "on show the fit, not the accuracy on new configurations.")
+    return out
 
 
 def _progress(row: dict) -> str:
@@ -360,6 +375,8 @@ def main() -> None:
     ap.add_argument("--bert-data-prefix", default=None,
                     help="an already tokenised _text_sentence prefix for the BERT rows (made with --bert-vocab-file); "
                          "default: the bundled corpus split into sentences here, which needs nltk")
+    ap.add_argument("--note", action="append", default=[],
+                    help="--from-measurements: a line of text for the report (repeatable)")
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations first (Triton compilation falls here)")
     ap.add_argument("--budget-s", type=float, default=540.0,
@@ -386,15 +403,15 @@ def main() -> None:
             os.makedirs(args.results_dir, exist_ok=True)
             out = os.path.join(args.results_dir, "plan_validation")
             rows = _write(out, measurements, dict(pairs), meta, command,
-                          f"Planner against the measurements of {args.from_measurements}", [])
+                          f"Planner against the measurements of {args.from_measurements}", args.note)
             print(f"{summary(rows)}; {out}.md")
         else:
             out = os.path.join(args.results_dir, "plan_validation_records")
             cal = load_calibration(args.calibration)
             rows = from_records(cal)
-            notes = ["In-sample: the calibration's fitted entries (overheads, element-wise and intra-node collective "
-                     "rates) were chosen on these recorded runs, so this table shows the model's fit, not its "
-                     "accuracy on new configurations; `--run` measures fresh configurations for that."]
+            notes = ["In-sample in part: the calibration's carried-over entries (fixed overheads, intra-node "
+                     "collective rates) were fitted on these recorded runs; its measured rates and host entries "
+                     "were not. `--run` measures fresh configurations."]
             with open(out + ".json", "w") as f:
                 json.dump(rows, f, indent=1)
             with open(out + ".md", "w") as f:

@@ -11,6 +11,9 @@ fragmentation, which come from whole training runs) is carried over from a base 
 the host floor of one transformer layer (``overheads.host_ms_per_layer``): forward and backward of the library's
 own ``TransformerLayer`` at a tiny size inside the data-parallel wrapper, where the GPU waits for the Python and
 kernel-launch work, so the time is that work's; a small model or micro-batch cannot run faster than it.
+The GEMM tables the time model reads (``gemm_tflops``) are derived from the measured ones (kept under
+``gemm_tflops_measured``) by the rules of ``derive_gemm_tables``: the running maximum over sizes, and FP8 at
+least the bf16 rate.
 ``device="cpu"`` runs the same code on the CPU (small sizes) to try the routine out; ``quick`` shortens every
 timing loop (a smoke test of the routine, not a calibration to keep).
 """
@@ -201,6 +204,34 @@ def measure_allreduce(num_gpus: int, numel: int = 64 * 2 ** 20) -> Optional[floa
             return json.load(f)["busbw_gbps"]
 
 
+def derive_gemm_tables(measured: Dict[str, List[List[float]]]) -> Dict[str, List[List[float]]]:
+    """The GEMM tables the time model reads, from the measured ``[[FLOPs, TFLOP/s], ...]`` by two rules.
+
+    1. Envelope: a GEMM runs at least at the best rate measured for any smaller GEMM of the same precision (the
+       running maximum over FLOPs). Random N(0, 1) operands make the GPU draw more power than training data and
+       lower its clocks by an amount that varies from shape to shape; a larger GEMM is not less efficient.
+    2. FP8 floor: an FP8 GEMM runs at least at the bf16 rate of the same size. The measured FP8 step casts both
+       operands on every call with unfused amax/scale/cast kernels, while the trainer's FP8 linear quantizes with
+       fused kernels and reuses each cast operand in two of its three GEMMs.
+    """
+    def envelope(points):
+        out, best = [], 0.0
+        for flops, rate in sorted(points):
+            best = max(best, rate)
+            out.append([flops, best])
+        return out
+
+    tables = {k: envelope(v) for k, v in measured.items()}
+    if "fp8" in tables and "bf16" in tables:
+        from megatron.core.planner.timing import _interp
+        tables["fp8"] = envelope([[x, max(r, _interp(tables["bf16"], x))] for x, r in tables["fp8"]])
+    return tables
+
+
+GEMM_RULES = ("gemm_tflops: derive_gemm_tables(gemm_tflops_measured), the running maximum over FLOPs per "
+              "precision, and FP8 at least the bf16 rate of the same FLOPs (megatron/core/planner/calibrate.py)")
+
+
 def calibrate(base: dict, device: str = "cuda", gpu_kind: Optional[str] = None, log=print,
               quick: bool = False) -> dict:
     """A calibration measured on ``device``; the entries not measurable here come from ``base``."""
@@ -222,11 +253,9 @@ def calibrate(base: dict, device: str = "cuda", gpu_kind: Optional[str] = None, 
         sizes = [(n, k) for h in hs for n, k in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h))]
         bf16 += measure_gemm(dev, tokens, sizes, torch.bfloat16 if big else torch.float32)
         fp8 += measure_fp8_gemm(dev, tokens, sizes) if fp8_supported(dev) else []
-    cal["gemm_tflops"] = {"bf16": sorted(bf16)}
-    if fp8:
-        cal["gemm_tflops"]["fp8"] = sorted(fp8)
-    else:
-        cal["gemm_tflops"]["fp8"] = cal["gemm_tflops"]["bf16"]
+    measured = {"bf16": sorted(bf16), "fp8": sorted(fp8) if fp8 else sorted(bf16)}
+    cal["gemm_tflops_measured"] = measured
+    cal["gemm_tflops"] = derive_gemm_tables(measured)
     log("attention")
     cal["attention_tflops"] = measure_attention(dev, 4 if big else 1, 2048 if big else 128,
                                                 {64: 12 if big else 2, 128: 16 if big else 2})
@@ -239,7 +268,8 @@ def calibrate(base: dict, device: str = "cuda", gpu_kind: Optional[str] = None, 
     host["fp8"] = measure_host_floor(dev, fp8=True) if fp8_supported(dev) else host["bf16"]
     cal["overheads"]["host_ms_per_layer"] = {k: round(v, 4) for k, v in host.items()}
     carried = ["inter_node_busbw_gbps", "overheads.per_iteration_ms", "overheads.per_microbatch_ms",
-               "overheads.per_layer_ms", "memory.reserved_over_allocated", "memory.nccl_buffer_bytes", "peak_tflops"]
+               "overheads.per_layer_ms", "overheads.host_recompute_fraction", "overheads.host_ms_per_microbatch",
+               "memory.reserved_over_allocated", "memory.nccl_buffer_bytes", "peak_tflops"]
     if big:  # CUDA context and library workspaces: device memory in use that the PyTorch allocator does not hold
         free, total = torch.cuda.mem_get_info(dev)
         cal["memory"]["outside_allocator_bytes"] = float(total - free - torch.cuda.memory_reserved(dev))
@@ -260,5 +290,6 @@ def calibrate(base: dict, device: str = "cuda", gpu_kind: Optional[str] = None, 
     cal["carried_over"] = carried
     cal["torch"] = torch.__version__
     cal.pop("sources", None)
-    cal.pop("derivation", None)
+    cal["derivation"] = {"gemm_tflops": GEMM_RULES,
+                         "measured": "every entry not under carried_over, by the routines of this module"}
     return cal

@@ -7,7 +7,8 @@ bandwidth), recomputation (the forward parts recomputed), exposed tensor-paralle
 host overhead. The iteration is ``(m + (pp - 1) / vpp)`` microbatch times of the slowest pipeline rank (the
 1F1B bubble), plus exposed pipeline send/receive, the data-parallel gradient reduction (and the parameter
 all-gather of the distributed optimizer), the optimizer step, and a fixed per-iteration overhead. A chunk never
-runs faster than its host floor (the measured Python and kernel-launch time per layer; none under a CUDA graph).
+runs faster than its host floor (the measured Python and kernel-launch time per layer, the forward again for each
+fully recomputed layer, and the head and loss work of the last chunk; none under a CUDA graph).
 """
 
 from __future__ import annotations
@@ -159,12 +160,18 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     tp_comm = L * n_coll * per if t > 1 else 0.0
     over = cal["overheads"]
     overhead = L * over.get("per_layer_ms", 0.0) * 1e-3
-    # host floor: forward + backward of each layer, plus the forward again of every fully recomputed layer
-    # (a third of the layer's launches); measured by --calibrate (absent: no floor)
+    # host floor: forward + backward of each layer (measured by --calibrate; absent: no floor), plus the forward
+    # again of every fully recomputed layer: host_recompute_fraction of the layer's host work (the forward runs
+    # module code in Python, the backward mostly in the autograd engine, so the forward is more than the third
+    # of the kernel launches it issues), plus the embedding, head and loss work of one micro-batch
     host_layer = over.get("host_ms_per_layer", {}).get("fp8" if prec == "fp8" else "bf16", 0.0) * 1e-3
     n_full = 0 if g != "full" else (L if layout.recompute_method == "uniform" else
                                     min(L, layout.recompute_num_layers or 1))
-    host = 0.0 if layout.cuda_graph else host_layer * (L + n_full / 3)  # a replayed graph launches nothing
+    host = host_layer * (L + n_full * over.get("host_recompute_fraction", 1.0 / 3.0))
+    if chunk.post:
+        host += over.get("host_ms_per_microbatch", {}).get(shape.model, 0.0) * 1e-3
+    if layout.cuda_graph:
+        host = 0.0  # a replayed graph launches nothing
     if chunk.pre:
         ew += 8 * tokens * h / ew_rate
     if chunk.post:

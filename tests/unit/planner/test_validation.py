@@ -47,6 +47,7 @@ def test_every_configuration_is_predicted_and_covers_the_required_kinds():
 
 def test_compare_predicts_each_record_with_every_calibration(tmp_path):
     base = load_calibration("h200")
+    base["overheads"] = dict(base["overheads"], host_ms_per_layer={})  # else the tiny model is host-bound
     slow = dict(base, gemm_tflops={k: [[x, r / 2] for x, r in v] for k, v in base["gemm_tflops"].items()})
     flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
              "--global-batch-size 4 --bf16")
@@ -109,19 +110,51 @@ def test_host_floor_bounds_small_runs_and_cuda_graphs_remove_it():
     from megatron.core.planner import Cluster, Layout, ModelShape
 
     shipped = load_calibration("h200")
+    nofloor = dict(shipped, overheads={**shipped["overheads"], "host_ms_per_layer": {}})
     floor = dict(shipped, overheads={**shipped["overheads"], "host_ms_per_layer": {"bf16": 1.0, "fp8": 2.0}})
     shape = ModelShape(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024)
     one = Cluster(num_gpus=1, gpu_memory_gb=141)
 
-    def per_mb(layout, cal):
-        return predict(shape, layout, one, cal, 16).time.per_microbatch * 1e3
+    def per_mb(layout, cal, model=shape):
+        return predict(model, layout, one, cal, 16).time.per_microbatch * 1e3
 
     fixed = shipped["overheads"]["per_microbatch_ms"]
-    assert per_mb(Layout(), shipped) < 12.0  # the GPU work of 1 x 1024 tokens is far below 12 ms
+    frac = shipped["overheads"]["host_recompute_fraction"]
+    assert 1 / 3 < frac < 1  # the recomputed forward: more than its third of the launches, less than a layer
+    assert per_mb(Layout(), nofloor) < 12.0  # the GPU work of 1 x 1024 tokens is far below 12 ms
     assert per_mb(Layout(), floor) == pytest.approx(12 * 1.0 + fixed)  # host-bound: the floor decides
     assert per_mb(Layout(precision="fp8"), floor) == pytest.approx(12 * 2.0 + fixed)
     full = Layout(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    assert per_mb(full, floor) == pytest.approx(12 * (1 + 1 / 3) + fixed)  # the recomputed forwards launch again
-    assert per_mb(Layout(cuda_graph=True), floor) == per_mb(Layout(), shipped)
+    assert per_mb(full, floor) == pytest.approx(12 * (1 + frac) + fixed)  # the recomputed forwards run again
+    bert = ModelShape(model="bert", num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=128,
+                      vocab_size=30522)
+    head = shipped["overheads"]["host_ms_per_microbatch"]["bert"]
+    assert head > 0 and per_mb(Layout(), floor, bert) == pytest.approx(12 * 1.0 + head + fixed)
+    assert per_mb(Layout(cuda_graph=True), floor) == per_mb(Layout(), nofloor)
     big = Layout(micro_batch_size=16)  # GPU-bound: 16k tokens take longer than the floor
-    assert per_mb(big, floor) == per_mb(big, shipped)
+    assert per_mb(big, floor) == per_mb(big, nofloor)
+
+
+def test_gemm_tables_take_the_running_maximum_and_fp8_at_least_bf16():
+    from megatron.core.planner.calibrate import derive_gemm_tables
+
+    measured = {"bf16": [[4e9, 100.0], [1e9, 30.0], [1.6e10, 80.0], [6.4e10, 300.0]],
+                "fp8": [[1e9, 5.0], [4e9, 150.0], [1.6e10, 60.0], [6.4e10, 200.0]]}
+    out = derive_gemm_tables(measured)
+    assert out["bf16"] == [[1e9, 30.0], [4e9, 100.0], [1.6e10, 100.0], [6.4e10, 300.0]]  # 80 at 1.6e10: throttled
+    assert out["fp8"] == [[1e9, 30.0], [4e9, 150.0], [1.6e10, 150.0], [6.4e10, 300.0]]
+    assert measured["bf16"][2] == [1.6e10, 80.0]  # the measured table is left as it was
+    shipped = load_calibration("h200")
+    assert shipped["gemm_tflops"] == derive_gemm_tables(shipped["gemm_tflops_measured"])
+
+
+def test_shipped_calibration_on_the_h200_measurements():
+    """The H200 runs of bench/results/plan_measurements.json predicted again with the shipped calibration."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "results", "plan_measurements.json")
+    rows = compare(load_measurements(path), {"shipped": load_calibration("h200")})
+    assert len(rows) == 14
+    assert all(r["mem_within_10pct"] for r in rows), [(r["config"], r["mem_error"]) for r in rows]
+    misses = [(r["config"], r["time_error"]) for r in rows if not r["time_within_15pct"]]
+    assert len(misses) <= 2, misses
+    fitted = {"gpt124m_mb4_none", "gpt124m_mb8_full", "bert_large_mb8_none", "bert_large_mb8_full"}
+    assert sum(r["time_within_15pct"] for r in rows if r["config"] not in fitted) >= 8  # out of sample
