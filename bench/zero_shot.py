@@ -135,7 +135,8 @@ def _nll(logits, ids):
 def hf_wikitext(model, tok, path, seq, stride, device, batch_size, pad_rows) -> dict:
     """Each target scored once, by the first window (starting at 0, stride, 2 stride, ...) that reaches it; the
     loss over the real vocabulary (``avg loss``) and over it plus the padding rows (``avg loss, padded vocab``)."""
-    raw = open(path, encoding="utf-8").read()
+    with open(path, "rb") as f:  # bytes decoded as they are: the file's "\r\n" line ends are part of the text
+        raw = f.read().decode("utf-8")  # (as Megatron-LM's evaluation reads it); text mode would fold them to "\n"
     words = len(raw.strip().split(" "))
     ids = tok(wikitext_detokenize(raw))["input_ids"]
     windows, scored, start = [], 0, 0
