@@ -462,13 +462,16 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
                                      timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
         print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
                      f"per step, global batch {t.global_batch_size}")
-        heartbeat = watchdog.start_heartbeat(par.distributed_timeout_minutes)
+        heartbeat = watchdog.start_heartbeat(par.distributed_timeout_minutes, par.distributed_backend)
         run_lock = _check_checkpoint_folders(cfg.checkpointing)
         try:
             return _train(cfg, pstate, model_provider, forward_step_func, datasets_provider, start_time)
         finally:
             if run_lock is not None:  # an in-process caller may start another run on the same --save
                 run_lock.release()
+    except BaseException:
+        heartbeat = None  # beats on: after a timeout, main_entry reads the other ranks' heartbeats
+        raise
     finally:
         signals.release()
         if heartbeat is not None:
@@ -564,6 +567,7 @@ def main_entry(run: Callable[[], object]) -> None:
               flush=True)
         _exit(1)
     finally:
+        watchdog.stop_heartbeat()
         if dist.is_initialized():
             dist.destroy_process_group()
 
