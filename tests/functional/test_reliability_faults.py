@@ -153,8 +153,10 @@ def test_sigusr1_to_one_rank_under_torchrun_saves_on_every_rank_and_exits_zero(d
         exit_signal_handler=True, exit_signal="SIGUSR1")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    seen = []
     try:
         for line in proc.stdout:
+            seen.append(line)
             if parse_iterations(line):
                 with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                     workers = [int(pid) for pid in f.read().split()]
@@ -164,6 +166,7 @@ def test_sigusr1_to_one_rank_under_torchrun_saves_on_every_rank_and_exits_zero(d
     finally:
         if proc.poll() is None:
             proc.kill()
+    out = "".join(seen) + out
     assert proc.returncode == 0, err[-3000:]
     done = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert "> --exit-signal SIGUSR1 received: saving a checkpoint and exiting" in out
