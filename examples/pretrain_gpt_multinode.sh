@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT on several nodes with torchrun's rendezvous; run this script once on every node.
 # Usage: NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<host of node 0> DATA=... VOCAB=... MERGES=... \
-#        bash examples/pretrain_gpt_multinode.sh
+#        bash examples/pretrain_gpt_multinode.sh [more pretrain_gpt.py flags]
 set -euo pipefail
 : "${NNODES:?}" "${NODE_RANK:?}" "${MASTER_ADDR:?}" "${DATA:?}" "${VOCAB:?}" "${MERGES:?}"
 CKPT=${CKPT:-checkpoints/gpt-multinode}
@@ -17,4 +17,4 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "${GPUS_PE
     --data-path "$DATA" --split 949,50,1 \
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" \
     --log-interval 10 --log-throughput --tensorboard-dir "$CKPT/tensorboard" \
-    --eval-interval 2000 --eval-iters 10 --save "$CKPT" --load "$CKPT" --save-interval 1000
+    --eval-interval 2000 --eval-iters 10 --save "$CKPT" --load "$CKPT" --save-interval 1000 "$@"

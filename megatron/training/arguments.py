@@ -121,8 +121,8 @@ def _resolve_backend(ns: argparse.Namespace) -> None:
         ns.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if ns.distributed_backend == "nccl" and not torch.cuda.is_available():
         _fail("--distributed-backend nccl needs CUDA GPUs; this machine has none (use --distributed-backend gloo)")
-    if ns.distributed_timeout_minutes < 1:
-        _fail(f"--distributed-timeout-minutes must be >= 1, got {ns.distributed_timeout_minutes}")
+    if not ns.distributed_timeout_minutes > 0:
+        _fail(f"--distributed-timeout-minutes must be above 0, got {ns.distributed_timeout_minutes:g}")
 
 
 def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -175,6 +175,9 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
                             "local": "unfused"}[ns.attention_backend]
     if ns.bf16 and ns.fp16:
         _fail("give only one of --bf16 and --fp16")
+    if ns.max_consecutive_skipped_iterations < 0:
+        _fail(f"--max-consecutive-skipped-iterations must be >= 0 (0: never stop), got "
+              f"{ns.max_consecutive_skipped_iterations}")
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0.0 <= getattr(ns, name) < 1.0:
             _fail(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(ns, name)}")

@@ -65,7 +65,7 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int]
     sequence_parallel: bool
     distributed_backend: str  # resolved: nccl or gloo
-    distributed_timeout_minutes: int
+    distributed_timeout_minutes: float
     world_size: int
     data_parallel_size: int
     overlap_grad_reduce: bool
@@ -175,6 +175,8 @@ class TrainingConfig:
     exit_interval: Optional[int]
     exit_duration_in_mins: Optional[float]
     exit_signal_handler: bool
+    exit_signal: str  # SIGTERM, SIGINT, SIGUSR1 or SIGUSR2
+    max_consecutive_skipped_iterations: int  # 0: never stop
     check_for_nan_in_loss_and_grad: bool
     seed: int
     enable_cuda_graph: bool

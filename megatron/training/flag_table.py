@@ -182,7 +182,6 @@ REFUSED_FLAGS: Dict[str, Tuple[str, str]] = {
     "--start-weight-decay": ("a weight-decay schedule", "a constant --weight-decay"),
     "--start-wd": ("a weight-decay schedule", "a constant --weight-decay"),
     "--wd-incr-style": ("a weight-decay schedule", "a constant --weight-decay"),
-    "--exit-signal": ("choosing the exit signal", "--exit-signal-handler (SIGTERM)"),
     "--save-retain-interval": ("deleting checkpoints except those at a retain interval",
                                "--keep-last-checkpoints N (keep the newest N)"),
     "--fp32-layernorm": ("fp32 LayerNorm weights in a 16-bit model", "--bf16 (or fp32 throughout)"),

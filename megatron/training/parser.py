@@ -107,7 +107,14 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit at iterations divisible by N")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after N minutes")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, finish the current iteration, save a checkpoint and exit with status 0")
+                   help="on the --exit-signal, finish the current iteration, save a checkpoint on every rank and "
+                        "exit with status 0")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
+                   help="the signal --exit-signal-handler acts on (SIGUSR1 for SLURM's --signal=USR1@SECONDS "
+                        "pre-warning)")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100, metavar="N",
+                   help="stop with an error after N consecutive iterations that skipped their update (fp16 "
+                        "overflow at every loss scale, a non-finite gradient norm); 0: never stop")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
                    default=False, help="stop with an error at the first non-finite loss or gradient norm "
                                        "(under --fp16 a non-finite gradient only skips the step)")
@@ -194,8 +201,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
                    help="split LayerNorm/dropout regions along the sequence over the tensor-parallel ranks")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="process-group backend (default nccl with GPUs, gloo without)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
-                   help="a collective waiting longer than this ends the job")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="a collective waiting longer than this ends the job, naming the rank that stopped "
+                        "responding (fractions allowed, e.g. 0.5)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="reduce gradient buckets while the backward pass runs")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per gradient-reduction bucket")

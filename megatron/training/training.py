@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import signal
 import sys
 import time
 from typing import Callable, List, Optional, Sequence
@@ -21,7 +20,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import checkpoint_folder as cfold
 from megatron.training import checkpoint_io as cio
-from megatron.training import checkpointing
+from megatron.training import checkpointing, signals, watchdog
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
 from megatron.training.cuda_graph import FullIterationCudaGraph
@@ -151,13 +150,9 @@ class Trainer:
         self.nan_iters = 0
         self.plain_args = cfg.to_plain_dict()
         self.tb = TensorBoardLogger(cfg.logging, pstate.rank == pstate.world_size - 1, self.plain_args)
-        self.signal_received = False
         self.downstream = None  # a DownstreamEvaluator with --eval-tasks (set by pretrain())
-        if cfg.training.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.signal_received = True  # acted on at the end of the iteration in progress
+        self.skip_guard = watchdog.SkippedIterationGuard(cfg.training.max_consecutive_skipped_iterations, p.fp16,
+                                                         p.loss_scale, p.min_loss_scale)
 
     # ---- one step ---------------------------------------------------------------------------------------
     def _schedule(self, iterators, forward_only: bool) -> list:
@@ -258,12 +253,15 @@ class Trainer:
         if t.exit_duration_in_mins is None and not t.exit_signal_handler:
             return None
         timed_out = t.exit_duration_in_mins is not None and (time.time() - start) / 60.0 > t.exit_duration_in_mins
-        flags = torch.tensor([float(timed_out), float(self.signal_received)])
+        flags = torch.tensor([float(timed_out), float(signals.received() is not None)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank decides together
         if flags[0].item():
             return "exit-duration-in-mins"
-        return "exit-signal-handler" if flags[1].item() else None
+        if flags[1].item():
+            print_rank_0(f"> --exit-signal {t.exit_signal} received: saving a checkpoint and exiting")
+            return "exit-signal-handler"
+        return None
 
     def _check_finite(self, losses: dict, grad_norm: Optional[float]) -> None:
         """--check-for-nan-in-loss-and-grad: stop at a non-finite loss, or gradient norm (except under fp16, where
@@ -305,6 +303,7 @@ class Trainer:
                 self.iteration, t.train_iters, self.consumed_train_samples, elapsed * 1000.0, lr,
                 t.global_batch_size, avg, self.optimizer.loss_scale_value(), grad_norm,
                 self.skipped_iters, self.nan_iters, tflops, tok_s if log.log_throughput else None))
+        self.skip_guard.update(self.iteration, ok, self.optimizer.loss_scale_value())
         if self.iteration % log.tensorboard_log_interval == 0:
             self.tb.scalars(self.iteration, {
                 "lm loss": losses.get("lm loss"), "learning-rate": lr, "grad-norm": grad_norm,
@@ -332,6 +331,7 @@ class Trainer:
             if t_end is None:
                 _sync()
                 t_end = time.time()
+            watchdog.progress(self.iteration + 1)
             result = executor.step(run_ahead=exit_after_in_flight is None and self._may_run_ahead(self.iteration + 1))
             now = time.time()
             dt, t_end = now - t_end, now
@@ -465,21 +465,33 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
     if _env_rank() == 0:
         for note in notes:
             print(note, flush=True)
-    initialize_distributed(cfg.parallel)
-    par, t = cfg.parallel, cfg.training
-    import datetime
-
-    pstate = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                 par.virtual_pipeline_model_parallel_size,
-                                 timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
-    print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
-                 f"per step, global batch {t.global_batch_size}")
-    run_lock = _check_checkpoint_folders(cfg.checkpointing)
+    if cfg.training.exit_signal_handler:  # from the start: a signal during start-up stops after iteration 1
+        signals.install(cfg.training.exit_signal)
+    heartbeat = None
     try:
-        return _train(cfg, pstate, model_provider, forward_step_func, datasets_provider, start_time)
+        initialize_distributed(cfg.parallel)
+        par, t = cfg.parallel, cfg.training
+        import datetime
+
+        pstate = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                     par.virtual_pipeline_model_parallel_size,
+                                     timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
+        print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
+                     f"per step, global batch {t.global_batch_size}")
+        heartbeat = watchdog.start_heartbeat(par.distributed_timeout_minutes, par.distributed_backend)
+        run_lock = _check_checkpoint_folders(cfg.checkpointing)
+        try:
+            return _train(cfg, pstate, model_provider, forward_step_func, datasets_provider, start_time)
+        finally:
+            if run_lock is not None:  # an in-process caller may start another run on the same --save
+                run_lock.release()
+    except BaseException:
+        heartbeat = None  # beats on: after a timeout, main_entry reads the other ranks' heartbeats
+        raise
     finally:
-        if run_lock is not None:  # an in-process caller may start another run on the same --save
-            run_lock.release()
+        signals.release()
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
 def _train(cfg: RunConfig, pstate: ParallelState, model_provider: Callable, forward_step_func: Callable,
@@ -570,10 +582,11 @@ def main_entry(run: Callable[[], object]) -> None:
     except RuntimeError as exc:
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise
-        print(f"error: a collective on rank {_env_rank()} waited longer than --distributed-timeout-minutes "
-              f"(another rank stopped or died): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        print(f"error: {watchdog.describe_timeout(_env_rank(), str(exc).splitlines()[0])}", file=sys.stderr,
+              flush=True)
         _exit(1)
     finally:
+        watchdog.stop_heartbeat()
         if dist.is_initialized():
             dist.destroy_process_group()
 

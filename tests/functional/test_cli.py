@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,19 +55,36 @@ def test_torch_distributed_launch_without_use_env_trains(data_prefix):
     assert proc.stdout.count("note: --local-rank=0 is an older spelling; using the LOCAL_RANK environment") <= 1
 
 
-def test_frozen_rank_ends_the_job_within_the_timeout(data_prefix, tmp_path):
-    """--distributed-timeout-minutes 1 with one rank stopped (SIGSTOP): the job ends in about two minutes."""
+def _wait_gone(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` exits (or is a zombie) within ``seconds``."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_frozen_rank_is_named_within_the_timeout(data_prefix, tmp_path):
+    """--distributed-timeout-minutes 0.5 with one rank stopped (SIGSTOP): within about 30 s the other rank's
+    collective times out and it prints one line naming the frozen rank, its host and pid (read from the
+    heartbeats every rank keeps in the c10d store), then exits. (torchrun then ends the job: it sends SIGTERM to
+    the stopped worker, which cannot act on it, and SIGKILL 30 s later; the test kills it at once.)"""
     log_path = tmp_path / "log.txt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           os.path.join(ROOT, "pretrain_gpt.py")] + gpt_args(data_prefix, train_iters=100000,
-                                                              distributed_timeout_minutes=1)
+           os.path.join(ROOT, "pretrain_gpt.py")] + gpt_args(data_prefix, train_iters=100000, num_layers=2,
+                                                              distributed_timeout_minutes=0.5)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    workers = []
+    workers, named, launched = [], None, time.time()
     try:
         deadline = time.time() + 300
-        while not parse_iterations(log_path.read_text()):
+        while len(parse_iterations(log_path.read_text())) < 2:
             assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.5)
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
@@ -74,8 +92,12 @@ def test_frozen_rank_ends_the_job_within_the_timeout(data_prefix, tmp_path):
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.time()
-        proc.wait(timeout=240)
+        while named is None and time.time() < stopped_at + 150:
+            named = next((line for line in log_path.read_text().splitlines()
+                          if line.startswith("error:") and "stopped responding" in line), None)
+            time.sleep(0.5)
         took = time.time() - stopped_at
+        survivor_gone = named is not None and _wait_gone(workers[0], 30)
     finally:
         for pid in workers:
             try:
@@ -85,9 +107,16 @@ def test_frozen_rank_ends_the_job_within_the_timeout(data_prefix, tmp_path):
                 pass
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
-    assert 55 <= took <= 150, f"the job ended {took:.0f} s after a rank froze"
-    assert "waited longer than --distributed-timeout-minutes" in log_path.read_text()
+        proc.wait()
+    assert named is not None, log_path.read_text()[-3000:]
+    assert survivor_gone, "the rank that named the frozen one did not exit"
+    assert 20 <= took <= 90, f"the frozen rank was named {took:.0f} s after it froze"
+    print(f"named after {took:.0f} s; started {stopped_at - launched:.0f} s after launch")
+    assert re.fullmatch(r"error: rank (\d) \(host \S+, pid (\d+), last at iteration \d+\) has stopped responding "
+                        r"\(no heartbeat for \d+ s\); rank (\d) waited in a collective longer than "
+                        r"--distributed-timeout-minutes 0.5", named), named
+    frozen_rank, pid, reporter = re.match(r"error: rank (\d) .*?pid (\d+).*; rank (\d)", named).groups()
+    assert int(pid) == workers[1] and frozen_rank != reporter
 
 
 def test_mock_data_trains_without_a_dataset():

@@ -22,6 +22,8 @@ plain = training.format_iteration_line
 
 def exact(iteration, train_iters, consumed, elapsed_ms, lr, global_batch, losses, loss_scale, grad_norm, *rest):
     line = plain(iteration, train_iters, consumed, elapsed_ms, lr, global_batch, losses, loss_scale, grad_norm, *rest)
+    if "lm loss" not in losses:  # a rank before the last pipeline stage: the last stage prints the line
+        return line
     return line + f" exact {iteration} {float(losses['lm loss']).hex()} {float(grad_norm).hex()}"
 
 training.format_iteration_line = exact

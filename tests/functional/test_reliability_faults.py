@@ -1,9 +1,10 @@
 """End-to-end faults through pretrain_gpt.py: damaged checkpoints, a second run, a read-only --save, stale
-temporary files, token ids beyond the vocabulary, sentence-level data.
+temporary files, token ids beyond the vocabulary, sentence-level data, an exit signal under torchrun.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from tests.functional.harness import ROOT, gpt_args, parse_iterations, run_pretrain
+from tests.functional.harness import ROOT, _free_port, gpt_args, parse_iterations, run_pretrain
 
 
 def _last_line(proc):
@@ -139,3 +140,37 @@ def test_keep_last_checkpoints_prunes_older_folders(data_prefix, tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000006", "iter_0000008",
                                                      "latest_checkpointed_iteration.txt"]
     assert (ckpt / "iter_0000006" / "manifest.json").exists()
+
+
+def test_sigusr1_to_one_rank_under_torchrun_saves_on_every_rank_and_exits_zero(data_prefix, tmp_path):
+    """SLURM's --signal=USR1@120 pre-warning: with --exit-signal-handler --exit-signal SIGUSR1 under torchrun
+    (TP=2), a SIGUSR1 that reaches only one rank stops both after the iteration in progress; every rank saves its
+    part of the checkpoint and the job exits 0."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           os.path.join(ROOT, "pretrain_gpt.py")] + gpt_args(
+        data_prefix, tp=2, tensor_model_parallel_size=2, num_layers=2, train_iters=100000, save=str(ckpt),
+        exit_signal_handler=True, exit_signal="SIGUSR1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if parse_iterations(line):
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    workers = [int(pid) for pid in f.read().split()]
+                os.kill(workers[-1], signal.SIGUSR1)
+                break
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(seen) + out
+    assert proc.returncode == 0, err[-3000:]
+    done = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert "> --exit-signal SIGUSR1 received: saving a checkpoint and exiting" in out
+    assert f"exiting at iteration {done} (exit-signal-handler)" in out
+    assert max(parse_iterations(out)) == done < 100000
+    manifest = json.load(open(ckpt / f"iter_{done:07d}" / "manifest.json"))
+    assert sorted(manifest["files"]) == ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]

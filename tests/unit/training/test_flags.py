@@ -72,6 +72,9 @@ LEGACY = [
     (["--DDP-impl", "local"], ft.NO_EFFECT, None),
     (["--mock-data"], ft.IMPLEMENTED, lambda c: c.data.mock_data and c.data.data_path is None),
     (["--exit-signal-handler"], ft.IMPLEMENTED, lambda c: c.training.exit_signal_handler),
+    (["--exit-signal", "SIGUSR1"], ft.IMPLEMENTED, lambda c: c.training.exit_signal == "SIGUSR1"),
+    (["--distributed-timeout-minutes", "0.5"], ft.IMPLEMENTED,
+     lambda c: c.parallel.distributed_timeout_minutes == 0.5),
     (["--check-for-nan-in-loss-and-grad"], ft.IMPLEMENTED, lambda c: c.training.check_for_nan_in_loss_and_grad),
     (["--tensorboard-queue-size", "7"], ft.IMPLEMENTED, lambda c: c.logging.tensorboard_queue_size == 7),
     (["--no-bias-gelu-fusion"], ft.IMPLEMENTED, lambda c: not c.model.bias_gelu_fusion and c.model.bias_dropout_fusion
@@ -158,7 +161,7 @@ def test_docs_flags_md_matches_the_parser():
     (["--tensor-model-paralel-size=2"], "did you mean --tensor-model-parallel-size"),
     (["--lr"], "argument --lr: expected one argument"),
     (["--distributed-backend", "nccl"], "--distributed-backend nccl needs CUDA GPUs"),
-    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be >= 1"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be above 0, got 0"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
     (["--mock-data"], "give only one of --mock-data and --data-path"),
 ])
