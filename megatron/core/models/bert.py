@@ -188,6 +188,10 @@ class BertModel(nn.Module):
         """
         b, s = attention_mask.shape
         padding = (attention_mask < 0.5).view(b, 1, 1, s)  # [b, 1, 1, s], True = masked out
+        if not bool(padding.any()):
+            # no padded key in the batch: attention without a mask is the same, and SDPA may then pick its
+            # FlashAttention kernel (with a mask it takes the slower memory-efficient one)
+            padding = None
         if self.pre_process:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand_as(input_ids)  # [b, s]
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)  # [s(/tp), b, h]

@@ -170,6 +170,24 @@ def test_without_binary_head_the_loss_is_the_mlm_loss():
     torch.testing.assert_close(loss, F.cross_entropy(logits[sel], labels[sel]), rtol=1e-5, atol=1e-6)
 
 
+def test_a_batch_without_padding_runs_attention_without_a_mask():
+    ps = ParallelState.single()
+    cfg = _config()
+    model = BertModel(cfg, ps).eval()
+    initialize_bert_parameters(model, 3, cfg, ps)
+    ids, types, _ = _batch()
+    full = torch.ones_like(ids)
+    seen = []
+    model.encoder.register_forward_pre_hook(lambda m, args: seen.append(args[1]))
+    with torch.no_grad():
+        logits, binary = model(ids, full, tokentype_ids=types)
+        explicit = full.new_zeros(full.shape).bool().view(3, 1, 1, SEQ)  # [b, 1, 1, s], nothing masked
+        hidden = model.encoder(model.embedding(ids, torch.arange(SEQ).expand_as(ids), types), explicit)
+    assert seen[0] is None
+    torch.testing.assert_close(binary, model.binary_head(model.pooler(hidden)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits, model._lm_output(model.lm_head(hidden), None), rtol=1e-6, atol=1e-6)
+
+
 def test_masked_positions_only_loss_equals_full_loss_and_gradients():
     ps = ParallelState.single()
     cfg = _config()
