@@ -27,7 +27,7 @@ Every input is a flag (``--vocab-file``, ``--corpus`` or ``--data-prefix``, ``--
 runs on a machine without network or shared data. Each trainer's output is echoed as it comes (the HF peer prints
 one line per iteration), each trainer has ``--trainer-timeout`` seconds, and the results file is rewritten after
 every trainer, so a failed or stopped trainer leaves the others' rows (its error is recorded in the extras).
-Defaults (micro-batch 16, 5 + 15 iterations) take about two minutes for both trainers on one H100/H200.
+The defaults (micro-batch 16, 5 + 15 iterations per trainer) are sized for well under five minutes on one H100/H200.
 
     python bench/bert_throughput.py --vocab-file scratch/vocab.txt                      # on the GPU
     python bench/bert_throughput.py --shapes tiny --iters 2 --warmup 1 --vocab-file V --results-dir /tmp/bb  # CPU
