@@ -111,7 +111,8 @@ def forward_step(ctx: TrainingContext, data_iterator, model):
     inner = getattr(model, "module", model)
     batch = get_bert_batch(data_iterator, ctx.pstate)
     labels = batch["labels"] if inner.post_process else None
-    output = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=labels)
+    output = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=labels,
+                   lm_loss_mask=batch["loss_mask"] if inner.post_process else None)
     return output, lambda out: loss_func(batch["loss_mask"], batch["is_random"], out)
 
 

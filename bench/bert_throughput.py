@@ -23,8 +23,14 @@ Rows have the keys of ``bench/gpu_throughput.py``'s rows and are merged into ``b
 (the other trainers' rows are kept; a row of the same trainer and shape is replaced), with the Markdown table
 rewritten beside it.
 
-    python bench/bert_throughput.py --vocab-file ../shared/data/bert/vocab.txt           # on the GPU
-    python bench/bert_throughput.py --shapes tiny --iters 2 --warmup 1 --results-dir /tmp/bert_bench  # CPU check
+Every input is a flag (``--vocab-file``, ``--corpus`` or ``--data-prefix``, ``--results-dir``), so the benchmark
+runs on a machine without network or shared data. Each trainer's output is echoed as it comes (the HF peer prints
+one line per iteration), each trainer has ``--trainer-timeout`` seconds, and the results file is rewritten after
+every trainer, so a failed or stopped trainer leaves the others' rows (its error is recorded in the extras).
+The defaults (micro-batch 16, 5 + 15 iterations per trainer) are sized for well under five minutes on one H100/H200.
+
+    python bench/bert_throughput.py --vocab-file scratch/vocab.txt                      # on the GPU
+    python bench/bert_throughput.py --shapes tiny --iters 2 --warmup 1 --vocab-file V --results-dir /tmp/bb  # CPU
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -46,6 +54,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from corpus import NUM_WORKERS, SEED, SPLIT, bert_batches, prepare_bert_dataset  # noqa: E402
 from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, environment, parse_ours_log,  # noqa: E402
                             write_results)
+from megatron.training.logging import num_floating_point_operations  # noqa: E402
 
 SHAPES = {
     "large": dict(num_layers=24, hidden_size=1024, num_heads=16, seq_length=512, micro_batch_size=16),
@@ -70,8 +79,10 @@ def padded_vocab(vocab_file: str) -> int:
 
 
 def flops_per_token(L: int, h: int, s: int, V: int) -> float:
-    """Model FLOPs per token of one BERT training iteration (module doc)."""
-    return 72 * L * h * h + 12 * L * h * s + 6 * h * V + 6 * h * h
+    """Model FLOPs per token of one BERT training iteration: the library's count for the encoder and the
+    vocabulary projection (the trainer's log line) plus the MLM head's h x h transform (module doc)."""
+    encoder = SimpleNamespace(hidden_size=h, num_layers=L, seq_length=s, ffn_hidden_size=4 * h)
+    return num_floating_point_operations(encoder, V, 1) / s + 6 * h * h
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,39 +105,45 @@ def hf_model(shape: dict, vocab_size: int):
     return model
 
 
-def run_hf(shape_name: str, iters: int, warmup: int, data_prefix: str, vocab_file: str) -> dict:
+def run_hf(shape_name: str, iters: int, warmup: int, data_prefix: str, vocab_file: str,
+           micro_batch_size: int) -> dict:
+    """HF BertForPreTraining through the GPT peers' timing loop (``minimal_gpt.train_and_time``), with our
+    trainer's AdamW settings (betas 0.9/0.999, weight decay 0.01)."""
     import torch
+    from minimal_gpt import train_and_time
 
     torch.backends.cuda.matmul.allow_tf32 = True
     shape = SHAPES[shape_name]
     model = hf_model(shape, padded_vocab(vocab_file))
-    device = next(model.parameters()).device
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-2, fused=cuda)
-    data = bert_batches(data_prefix, vocab_file, shape["seq_length"], shape["micro_batch_size"], warmup + iters)
-    losses, t0 = [], None
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for it in range(warmup + iters):
-        if it == warmup:
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        b = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
+    data = bert_batches(data_prefix, vocab_file, shape["seq_length"], micro_batch_size, warmup + iters)
+
+    def loss_of_batch(b):
         labels = b["labels"].masked_fill(b["loss_mask"] == 0, -100)  # HF ignores -100
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            out = model(input_ids=b["text"], attention_mask=b["padding_mask"], token_type_ids=b["types"],
-                        labels=labels, next_sentence_label=b["is_random"])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.detach())
-    if cuda:
-        torch.cuda.synchronize()
-    return {"ms_per_iter": 1000 * (time.perf_counter() - t0) / iters,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "losses": [x.item() for x in losses]}
+        return model(input_ids=b["text"], attention_mask=b["padding_mask"], token_type_ids=b["types"],
+                     labels=labels, next_sentence_label=b["is_random"]).loss
+
+    return train_and_time(model, None, data, iters, warmup, loss_of_batch=loss_of_batch,
+                          adamw={"betas": (0.9, 0.999), "weight_decay": 1e-2}, label="hf-bert")
+
+
+def stream(cmd: list, timeout: float, tag: str) -> tuple:
+    """Run ``cmd``, echoing its output line by line as ``[tag] ...``; ``(returncode, output)``. Past ``timeout``
+    seconds the child is killed and the return code is None."""
+    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines, deadline = [], time.time() + timeout
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            print(f"[{tag}] {line}", end="", flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+    code = None if time.time() >= deadline and proc.returncode != 0 else proc.returncode
+    return code, "".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,36 +160,34 @@ def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, vocab_f
             os.path.join(ROOT, "pretrain_bert.py")] + shlex.split(args)
 
 
-def run_ours(shape_name: str, a, data_prefix: str) -> tuple:
-    cmd = ours_command(SHAPES[shape_name], a.iters, a.warmup, data_prefix, a.vocab_file, a.ours_args)
-    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"pretrain_bert.py exited with {proc.returncode}:\n{proc.stdout[-4000:]}")
-    return parse_ours_log(proc.stdout, a.warmup), "python pretrain_bert.py " + " ".join(
-        shlex.quote(c) for c in cmd[5:])
+def run_ours(shape: dict, a, data_prefix: str) -> tuple:
+    cmd = ours_command(shape, a.iters, a.warmup, data_prefix, a.vocab_file, a.ours_args)
+    code, log = stream(cmd, a.trainer_timeout, "ours-bert")
+    if code != 0:
+        why = f"exited with {code}" if code is not None else f"stopped after --trainer-timeout {a.trainer_timeout} s"
+        raise RuntimeError(f"pretrain_bert.py {why}:\n{log[-4000:]}")
+    return parse_ours_log(log, a.warmup), "python pretrain_bert.py " + " ".join(shlex.quote(c) for c in cmd[5:])
 
 
-def run_peer(shape_name: str, a, data_prefix: str) -> tuple:
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "hf-bert", "--shape", shape_name,
-            "--iters", str(a.iters), "--warmup", str(a.warmup), "--data-prefix", data_prefix,
-            "--vocab-file", a.vocab_file]
-    proc = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
-    cmd = (f"python bench/bert_throughput.py --worker hf-bert --shape {shape_name} --iters {a.iters} "
-           f"--warmup {a.warmup}")
+def run_peer(shape_name: str, shape: dict, a, data_prefix: str) -> tuple:
+    tail = ["--shape", shape_name, "--micro-batch-size", str(shape["micro_batch_size"]), "--iters", str(a.iters),
+            "--warmup", str(a.warmup), "--data-prefix", data_prefix, "--vocab-file", a.vocab_file]
+    code, log = stream([sys.executable, os.path.abspath(__file__), "--worker", "hf-bert"] + tail, a.trainer_timeout,
+                       "hf-bert")
+    found = [ln for ln in log.splitlines() if ln.startswith("BENCH_RESULT ")]
+    if code != 0 or not found:
+        why = f"exited with {code}" if code is not None else f"stopped after --trainer-timeout {a.trainer_timeout} s"
+        raise RuntimeError(f"the hf-bert worker {why}:\n{log[-4000:]}")
+    cmd = "python bench/bert_throughput.py --worker hf-bert " + " ".join(shlex.quote(c) for c in tail)
     return json.loads(found[-1][len("BENCH_RESULT "):]), cmd
 
 
-def make_row(trainer: str, shape_name: str, res: dict, command: str, vocab: int, peak_tflops: float) -> dict:
+def make_row(trainer: str, shape: dict, res: dict, command: str, vocab: int, peak_tflops: float) -> dict:
     """A row with the keys of gpu_throughput.py's rows."""
-    s = SHAPES[shape_name]
-    L, h, seq = s["num_layers"], s["hidden_size"], s["seq_length"]
-    tokens = s["micro_batch_size"] * seq / (res["ms_per_iter"] / 1000)
+    L, h, seq, mb = shape["num_layers"], shape["hidden_size"], shape["seq_length"], shape["micro_batch_size"]
+    tokens = mb * seq / (res["ms_per_iter"] / 1000)
     return {"trainer": trainer, "num_layers": L, "hidden_size": h, "seq_length": seq,
-            "micro_batch_size": s["micro_batch_size"], "ms_per_iter": round(res["ms_per_iter"], 2),
+            "micro_batch_size": mb, "ms_per_iter": round(res["ms_per_iter"], 2),
             "tokens_per_s": round(tokens, 1),
             "mfu": round(tokens * flops_per_token(L, h, seq, vocab) / (peak_tflops * 1e12), 4),
             "mfu_fp8_peak": None,
@@ -202,19 +217,26 @@ def main() -> None:
     ap.add_argument("--shapes", default="large", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--iters", type=int, default=15, help="timed iterations")
     ap.add_argument("--warmup", type=int, default=5, help="untimed warm-up iterations")
+    ap.add_argument("--micro-batch-size", type=int, default=0, help="micro-batch of every shape (0: the shape's)")
     ap.add_argument("--vocab-file", default=DEFAULT_VOCAB, help="WordPiece vocab.txt (bert-base/large-uncased)")
+    ap.add_argument("--corpus", default=None,
+                    help="loose-JSON corpus (.jsonl or .jsonl.gz) to split and tokenise (default: the bundled one)")
+    ap.add_argument("--data-prefix", default=None, help="an already tokenised _text_sentence prefix (skips --corpus)")
     ap.add_argument("--ours-args", default="", help="extra flags for pretrain_bert.py (glue with =)")
+    ap.add_argument("--trainer-timeout", type=float, default=150.0, help="seconds each trainer may run")
     ap.add_argument("--bf16-peak-tflops", type=float, default=BF16_PEAK_TFLOPS)
-    ap.add_argument("--data-prefix", default=None, help="_text_sentence prefix (default: the bundled corpus)")
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not os.path.exists(a.vocab_file):
         raise SystemExit(f"--vocab-file {a.vocab_file}: no such file (a WordPiece vocab.txt)")
+    if a.corpus and not os.path.exists(a.corpus):
+        raise SystemExit(f"--corpus {a.corpus}: no such file (loose JSON, one {{\"text\": ...}} per line)")
     if a.worker:
-        print("BENCH_RESULT " + json.dumps(run_hf(a.shape, a.iters, a.warmup, a.data_prefix, a.vocab_file)),
-              flush=True)
+        res = run_hf(a.shape, a.iters, a.warmup, a.data_prefix, a.vocab_file,
+                     a.micro_batch_size or SHAPES[a.shape]["micro_batch_size"])
+        print("BENCH_RESULT " + json.dumps(res), flush=True)
         return
     trainers = [t for t in a.trainers.split(",") if t]
     shapes = [s for s in a.shapes.split(",") if s]
@@ -224,7 +246,10 @@ def main() -> None:
     for s in shapes:
         if s not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
-    data_prefix = a.data_prefix or prepare_bert_dataset(tempfile.mkdtemp(prefix="bench_bert_"), a.vocab_file)
+    t0 = time.time()
+    data_prefix = a.data_prefix or prepare_bert_dataset(tempfile.mkdtemp(prefix="bench_bert_"), a.vocab_file,
+                                                        source=a.corpus)
+    print(f"data ready in {time.time() - t0:.0f} s: {data_prefix}", flush=True)
     vocab = padded_vocab(a.vocab_file)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "env": environment(), "command": "python bench/bert_throughput.py " + " ".join(
@@ -235,21 +260,28 @@ def main() -> None:
     rows, extras = [], {"losses": {}, "errors": {}, "flops_per_token": "72 L h^2 + 12 L h s + 6 h V + 6 h^2",
                         "padded_vocab": vocab}
     for shape_name in shapes:
+        shape = dict(SHAPES[shape_name], micro_batch_size=a.micro_batch_size or SHAPES[shape_name]["micro_batch_size"])
         for trainer in trainers:
-            key = f"{trainer}/{SHAPES[shape_name]['num_layers']}x{SHAPES[shape_name]['hidden_size']}"
+            key = f"{trainer}/{shape['num_layers']}x{shape['hidden_size']}"
+            print(f"== {key}, micro-batch {shape['micro_batch_size']}, {a.warmup} + {a.iters} iterations "
+                  f"({time.time() - t0:.0f} s since start)", flush=True)
             try:
-                res, cmd = run_ours(shape_name, a, data_prefix) if trainer == "ours-bert" else \
-                    run_peer(shape_name, a, data_prefix)
-            except Exception as exc:  # keep measuring the other; the failure is recorded
-                print(f"!! {key} failed: {exc}", flush=True)
+                res, cmd = run_ours(shape, a, data_prefix) if trainer == "ours-bert" else \
+                    run_peer(shape_name, shape, a, data_prefix)
+                row = make_row(trainer, shape, res, cmd, vocab, a.bf16_peak_tflops)
+            except Exception as exc:  # keep measuring the others; the failure is recorded
+                print(f"!! {key} failed: {str(exc).splitlines()[0]}", flush=True)
                 extras["errors"][key] = str(exc)[-2000:]
-                continue
-            extras["losses"][key] = res.get("losses")
-            row = make_row(trainer, shape_name, res, cmd, vocab, a.bf16_peak_tflops)
-            rows.append(row)
-            print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
-                  f"MFU {100 * row['mfu']:.1f}% of the bf16 peak, peak {row['peak_mem_gib']} GiB", flush=True)
-    merge_rows(out_json, meta, rows, extras)
+            else:
+                extras["losses"][key] = res.get("losses")
+                rows.append(row)
+                print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
+                      f"MFU {100 * row['mfu']:.1f}% of the bf16 peak, peak {row['peak_mem_gib']} GiB", flush=True)
+            merge_rows(out_json, meta, rows, extras)  # after every trainer: a later failure keeps these rows
+    by_trainer = {r["trainer"]: r["tokens_per_s"] for r in rows}
+    if len(by_trainer) == 2:
+        print(f"ours-bert / hf-bert tokens/s: {by_trainer['ours-bert'] / by_trainer['hf-bert']:.2f}x", flush=True)
+    print(f"wrote {out_json} ({time.time() - t0:.0f} s)", flush=True)
     if extras["errors"]:
         raise SystemExit(f"failed rows: {', '.join(extras['errors'])}")
 

@@ -96,15 +96,16 @@ def batches(argv: list, num_workers: int = None):
     return build_iterators(ctx, pretrain_gpt.datasets_provider, 0, 0, 1)["train"][0]
 
 
-def prepare_bert_dataset(workdir: str, vocab_file: str, lower_case: bool = True) -> str:
-    """The bundled corpus split into sentences and tokenised with the WordPiece ``vocab_file``
-    (``tools/preprocess_data.py --split-sentences``); returns the ``_text_sentence`` prefix."""
+def prepare_bert_dataset(workdir: str, vocab_file: str, lower_case: bool = True, source: str = None) -> str:
+    """The bundled corpus (or the loose-JSON ``source``, ``.jsonl`` or ``.jsonl.gz``) split into sentences and
+    tokenised with the WordPiece ``vocab_file`` (``tools/preprocess_data.py --split-sentences``); returns the
+    ``_text_sentence`` prefix."""
     prefix = os.path.join(workdir, "bench_bert_text_sentence")
     if os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"):
         return prefix
-    src = os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz")
+    src = source or os.path.join(ROOT, "data", "tinyshakespeare.jsonl.gz")
     jsonl = os.path.join(workdir, "corpus.jsonl")
-    with gzip.open(src, "rb") as fin, open(jsonl, "wb") as fout:
+    with (gzip.open(src, "rb") if src.endswith(".gz") else open(src, "rb")) as fin, open(jsonl, "wb") as fout:
         shutil.copyfileobj(fin, fout)
     tokenizer = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", jsonl,

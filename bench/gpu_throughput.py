@@ -387,6 +387,11 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
         md.append(f"| {r['trainer']} | {r['num_layers']} | {r['hidden_size']} | {r['seq_length']} | "
                   f"{r['micro_batch_size']} | {r['ms_per_iter']:.1f} | {r['tokens_per_s']:,.0f} | "
                   f"{100 * r['mfu']:.1f}% | {fp8_s} | {tfl_s} | {mem_s} |")
+    bert = extras.get("bert")
+    if bert:  # rows of bench/bert_throughput.py: another model, FLOP count and command
+        md += ["", f"Rows ours-bert / hf-bert: BERT (masked LM + sentence order, bench/bert_throughput.py, run "
+               f"{meta.get('bert_date', '?')}: `{meta.get('bert_command', '?')}`); MFU with "
+               f"{bert.get('flops_per_token')} FLOPs per token, V = {bert.get('padded_vocab')}."]
     iter_ms = extras.get("iter_ms", {})
     if iter_ms:  # the spread behind each average of our trainer (its log has one time per iteration)
         md += ["", "Our trainer's averaged iterations, one by one (ms), and their median:", ""]

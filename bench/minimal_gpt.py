@@ -62,16 +62,21 @@ class MinimalGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train_and_time(model: nn.Module, step_model, batches, iters: int, warmup: int, autocast: bool = True) -> dict:
+def train_and_time(model: nn.Module, step_model, batches, iters: int, warmup: int, autocast: bool = True,
+                   loss_of_batch=None, adamw: dict = None, label: str = None) -> dict:
     """Run ``warmup + iters`` AdamW steps on the micro-batches of ``batches``; return ms/iteration over the timed
     steps, the peak memory (CUDA) and the losses.
 
     ``step_model(idx, targets) -> loss`` is the (possibly compiled) forward; ``batches`` yields
     ``{"text": int64[b, s + 1]}`` (``bench/corpus.py``), copied to the device inside the loop as our trainer does.
+    Other models pass ``loss_of_batch(batch) -> loss`` instead, called with every field of the batch on the device;
+    ``adamw`` overrides the optimizer settings (lr 1e-4, betas (0.9, 0.95), weight decay 0.1); ``label`` prints a
+    progress line per iteration (when the step is queued: no synchronisation).
     """
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    settings = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, **(adamw or {})}
+    opt = torch.optim.AdamW(model.parameters(), fused=cuda, **settings)
     losses = []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -81,15 +86,21 @@ def train_and_time(model: nn.Module, step_model, batches, iters: int, warmup: in
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-        text = next(batches)["text"].to(device, non_blocking=True)  # [b, s + 1]
-        idx, targets = text[:, :-1].contiguous(), text[:, 1:].contiguous()  # [b, s] each
+        batch = next(batches)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and cuda):
-            loss = step_model(idx, targets)
+            if loss_of_batch is None:
+                text = batch["text"].to(device, non_blocking=True)  # [b, s + 1]
+                idx, targets = text[:, :-1].contiguous(), text[:, 1:].contiguous()  # [b, s] each
+                loss = step_model(idx, targets)
+            else:
+                loss = loss_of_batch({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        if label:
+            print(f"{label} iteration {it + 1}/{warmup + iters}{' (warm-up)' if it < warmup else ''}", flush=True)
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0

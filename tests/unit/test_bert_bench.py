@@ -76,3 +76,16 @@ def test_help_starts():
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "bert_throughput.py"), "--help"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0 and "--vocab-file" in proc.stdout, proc.stderr
+
+
+def test_a_failing_trainer_leaves_its_error_in_the_results(sentence_data, tmp_path):
+    prefix, vocab = sentence_data
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bert_throughput.py"), "--shapes", "tiny",
+                           "--trainers", "ours-bert", "--iters", "1", "--warmup", "1", "--vocab-file", vocab,
+                           "--data-prefix", prefix, "--results-dir", str(tmp_path), "--ours-args=--no-such-flag"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode != 0 and "failed rows: ours-bert/2x64" in proc.stderr, proc.stderr[-2000:]
+    assert "[ours-bert] " in proc.stdout  # the trainer's output is echoed as it comes
+    with open(tmp_path / "gpu_throughput.json") as f:
+        results = json.load(f)
+    assert results["rows"] == [] and "--no-such-flag" in results["extras"]["bert"]["errors"]["ours-bert/2x64"]

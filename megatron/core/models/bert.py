@@ -172,7 +172,8 @@ class BertModel(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                tokentype_ids: Optional[torch.Tensor] = None, lm_labels: Optional[torch.Tensor] = None):
+                tokentype_ids: Optional[torch.Tensor] = None, lm_labels: Optional[torch.Tensor] = None,
+                lm_loss_mask: Optional[torch.Tensor] = None):
         """``input_ids``, ``tokentype_ids``, ``lm_labels`` ``[b, s]``; ``attention_mask`` ``[b, s]``, 1 for a token
         and 0 for padding (the dataset's ``padding_mask``). Every pipeline stage needs ``attention_mask``.
 
@@ -180,9 +181,17 @@ class BertModel(nn.Module):
         ``(logits [b, s, V/tp], binary_logits [b, 2] or None)`` without labels and
         ``(per-token loss [b, s] fp32, binary_logits)`` with them (labels outside the vocabulary, e.g. -1 at
         unmasked positions, give a finite loss that the loss mask removes).
+
+        ``lm_loss_mask`` ``[b, s]`` (with ``lm_labels``): the vocabulary projection and the cross-entropy run on the
+        positions where it is nonzero only (the masked tokens, ~15%), and the per-token loss is 0 elsewhere. The
+        loss over those positions is the same; the largest GEMM and the fp32 softmax buffer shrink to their size.
         """
         b, s = attention_mask.shape
         padding = (attention_mask < 0.5).view(b, 1, 1, s)  # [b, 1, 1, s], True = masked out
+        if not bool(padding.any()):
+            # no padded key in the batch: attention without a mask is the same, and SDPA may then pick its
+            # FlashAttention kernel (with a mask it takes the slower memory-efficient one)
+            padding = None
         if self.pre_process:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand_as(input_ids)  # [b, s]
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)  # [s(/tp), b, h]
@@ -194,15 +203,18 @@ class BertModel(nn.Module):
         if not self.post_process:
             return hidden
         binary_logits = self.binary_head(self.pooler(hidden)) if self.add_binary_head else None  # [b, 2]
-        return self._lm_output(self.lm_head(hidden), lm_labels), binary_logits
+        return self._lm_output(self.lm_head(hidden), lm_labels, lm_loss_mask), binary_logits
 
-    def _lm_output(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+    def _lm_output(self, hidden: torch.Tensor, labels: Optional[torch.Tensor],
+                   loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         tp_group = self.pstate.tp_group
         if self.config.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tp_group)  # [s, b, h]
         else:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, tp_group)
         weight, bias = self.output_weight(), self.output_layer.bias
+        if labels is not None and loss_mask is not None:
+            return self._masked_lm_loss(hidden, weight, bias, labels, loss_mask)
         if labels is not None and self.config.gradient_accumulation_fusion:
             logits = linear_with_grad_accumulation_fusion(hidden, weight, bias)  # [s, b, V/tp]
         else:
@@ -211,6 +223,21 @@ class BertModel(nn.Module):
             return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t(), tp_group)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
+
+    def _masked_lm_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                        labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` computed at the positions of ``loss_mask`` only (0 elsewhere)."""
+        s, b, h = hidden.shape
+        keep = loss_mask.t().reshape(-1).nonzero().squeeze(1)  # [n] indices into s*b (same on every TP rank)
+        picked = hidden.reshape(s * b, h).index_select(0, keep).unsqueeze(1)  # [n, 1, h]
+        if self.config.gradient_accumulation_fusion:
+            logits = linear_with_grad_accumulation_fusion(picked, weight, bias)  # [n, 1, V/tp]
+        else:
+            logits = F.linear(picked, weight, bias)  # [n, 1, V/tp]
+        target = labels.t().reshape(-1).index_select(0, keep).unsqueeze(1)  # [n, 1]
+        picked_loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target, self.pstate.tp_group)  # [n, 1]
+        loss = picked_loss.new_zeros(s * b).index_copy(0, keep, picked_loss.squeeze(1))  # [s*b]
+        return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ def make_bert_forward_step(pstate: ParallelState, binary_loss_name: str = "sop l
         inner = getattr(model, "module", model)
         batch = get_bert_batch(data_iterator, pstate)
         labels = batch["labels"] if inner.post_process else None
-        output = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=labels)
+        output = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=labels,
+                       lm_loss_mask=batch["loss_mask"] if inner.post_process else None)
         return output, partial(bert_loss_func, batch["loss_mask"], batch["is_random"],
                                binary_loss_name=binary_loss_name)
 

@@ -170,6 +170,48 @@ def test_without_binary_head_the_loss_is_the_mlm_loss():
     torch.testing.assert_close(loss, F.cross_entropy(logits[sel], labels[sel]), rtol=1e-5, atol=1e-6)
 
 
+def test_a_batch_without_padding_runs_attention_without_a_mask():
+    ps = ParallelState.single()
+    cfg = _config()
+    model = BertModel(cfg, ps).eval()
+    initialize_bert_parameters(model, 3, cfg, ps)
+    ids, types, _ = _batch()
+    full = torch.ones_like(ids)
+    seen = []
+    model.encoder.register_forward_pre_hook(lambda m, args: seen.append(args[1]))
+    with torch.no_grad():
+        logits, binary = model(ids, full, tokentype_ids=types)
+        explicit = full.new_zeros(full.shape).bool().view(3, 1, 1, SEQ)  # [b, 1, 1, s], nothing masked
+        hidden = model.encoder(model.embedding(ids, torch.arange(SEQ).expand_as(ids), types), explicit)
+    assert seen[0] is None
+    torch.testing.assert_close(binary, model.binary_head(model.pooler(hidden)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits, model._lm_output(model.lm_head(hidden), None), rtol=1e-6, atol=1e-6)
+
+
+def test_masked_positions_only_loss_equals_full_loss_and_gradients():
+    ps = ParallelState.single()
+    cfg = _config()
+    model = BertModel(cfg, ps)
+    initialize_bert_parameters(model, 7, cfg, ps)
+    ids, types, padding = _batch()
+    loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(4)) < 0.2).long() * padding
+    labels = ids.masked_fill(loss_mask == 0, -1)
+    results = []
+    for mask in (None, loss_mask):
+        model.zero_grad(set_to_none=True)
+        lm, binary = model(ids, padding, tokentype_ids=types, lm_labels=labels, lm_loss_mask=mask)
+        loss, _ = bert_loss_func(loss_mask, torch.tensor([0, 1, 1]), (lm, binary))
+        loss.backward()
+        results.append((lm.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (full, full_loss, full_grads), (picked, picked_loss, picked_grads) = results
+    assert picked.shape == full.shape and 0 < int(loss_mask.sum()) < loss_mask.numel() // 2
+    torch.testing.assert_close(picked[loss_mask.bool()], full[loss_mask.bool()], rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(picked[~loss_mask.bool()]) == 0
+    torch.testing.assert_close(picked_loss, full_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(picked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("granularity,method", [("selective", None), ("full", "uniform"), ("full", "block")])
 def test_recompute_gives_same_gradients(granularity, method):
     ps = ParallelState.single()
@@ -211,9 +253,10 @@ def test_forward_step_reads_megatron_fields_and_names_missing_ones():
     output, loss_func = make_bert_forward_step(ps, binary_loss_name="nsp loss")(iter([sample]), model)
     loss, report = loss_func(output)
     assert set(report) == {"lm loss", "nsp loss"}
+    # the forward step projects the masked positions only; the loss over every position agrees
     direct = bert_loss_func(sample["loss_mask"], sample["is_random"],
                             model(ids, padding, tokentype_ids=types, lm_labels=labels))[0]
-    torch.testing.assert_close(loss, direct, rtol=0, atol=0)
+    torch.testing.assert_close(loss, direct, rtol=1e-6, atol=1e-6)
     gpt_sample = {"text": ids}
     with pytest.raises(ValueError, match="missing types, labels, is_random, loss_mask, padding_mask"):
         make_bert_forward_step(ps)(iter([gpt_sample]), model)
