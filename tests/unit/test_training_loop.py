@@ -13,6 +13,7 @@ import types
 from megatron.training import training
 from megatron.training.scheduler import OptimizerParamScheduler
 from megatron.training.step_executor import CudaGraphStep, EagerStep
+from megatron.training.watchdog import SkippedIterationGuard
 
 
 class _Graph:
@@ -60,6 +61,7 @@ class _Recorder(training.Trainer):
         self.scheduler = OptimizerParamScheduler(self.optimizer, 1.0, 0.1, 2, 12, "cosine", 0.0)
         self.tb = types.SimpleNamespace(scalars=lambda *a, **k: None)
         self.iteration = self.consumed_train_samples = self.skipped_iters = self.nan_iters = 0
+        self.skip_guard = SkippedIterationGuard(0, fp16=False, fixed_loss_scale=None, min_loss_scale=1.0)  # never stops
         self.exit_for_time_at = exit_for_time_at
         self.events, self.skipped = [], set(skipped)
         self.graph = _Graph(self.events, self.skipped) if graph else None
