@@ -94,6 +94,15 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def job_flags(values, dtype=torch.float32) -> torch.Tensor:
+    """A small tensor of per-rank decisions for a MAX all-reduce, on the device the process group's backend
+    reduces (NCCL only reduces GPU tensors)."""
+    flags = torch.tensor(values, dtype=dtype)
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
+    return flags
+
+
 def microbatch_means(stats: list) -> dict:
     """Each loss statistic's mean over the microbatches, as 0-dim fp32 device tensors ({} without stats)."""
     if not stats:
@@ -253,7 +262,7 @@ class Trainer:
         if t.exit_duration_in_mins is None and not t.exit_signal_handler:
             return None
         timed_out = t.exit_duration_in_mins is not None and (time.time() - start) / 60.0 > t.exit_duration_in_mins
-        flags = torch.tensor([float(timed_out), float(signals.received() is not None)])
+        flags = job_flags([float(timed_out), float(signals.received() is not None)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank decides together
         if flags[0].item():
@@ -268,7 +277,7 @@ class Trainer:
         the loss scaler skips such steps). The last stage sees the loss, so all ranks agree through a MAX."""
         bad_loss = any(not math.isfinite(v) for v in losses.values())
         bad_grad = grad_norm is not None and not math.isfinite(grad_norm) and not self.precision.fp16
-        flags = torch.tensor([float(bad_loss), float(bad_grad)])
+        flags = job_flags([float(bad_loss), float(bad_grad)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0].item() or flags[1].item():
@@ -393,10 +402,8 @@ def build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: int
                           "iterations were asked for; give the train split a share")
     # Whether a split exists is one decision for the whole job: a rank that skips an evaluation its peers run
     # would leave them waiting in the evaluation's collectives (e.g. an empty test split of --split 98,2,0).
-    exists = torch.tensor([ds is not None for ds in (train_ds, valid_ds, test_ds)], dtype=torch.int32)
+    exists = job_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)], dtype=torch.int32)
     if dist.is_initialized():
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        exists = exists.to(device)
         dist.all_reduce(exists, op=dist.ReduceOp.MAX)
     if pstate.tp_rank != 0:
         return {split: ([None] * chunks if present else None)
