@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 import socket
+import json
 import subprocess
 import sys
-from typing import Dict, List, Optional
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([-+0-9.eE]+|nan|inf) \|.*? loss scale: ([0-9.]+) \|"
@@ -89,6 +91,63 @@ def losses(argv: List[str], nproc: int = 1, **kw) -> Dict[int, dict]:
     if not its:
         raise AssertionError(f"no iteration lines in output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return its
+
+
+def losses_of_many(argvs: Sequence[List[str]], nproc: int = 1, script: str = "pretrain_gpt.py",
+                   timeout: int = 900) -> List[Dict[int, dict]]:
+    """``[losses(argv, nproc) for argv in argvs]``, from one launch that runs them one after another
+    (tests/functional/run_many.py): one start-up of Python, torch and the process group for all of them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [{"argv": list(argv), "out": os.path.join(tmp, f"run{i}")} for i, argv in enumerate(argvs)]
+        jobs = os.path.join(tmp, "jobs.json")
+        with open(jobs, "w") as f:
+            json.dump({"script": script, "runs": runs}, f)
+        proc = run_pretrain([jobs], nproc=nproc, timeout=timeout, expect_ok=False,
+                            script=os.path.join("tests", "functional", "run_many.py"))
+
+        def read(run: dict, suffix: str) -> str:
+            parts = []
+            for rank in range(nproc):
+                path = f"{run['out']}.rank{rank}.{suffix}"
+                if os.path.exists(path):
+                    with open(path) as f:
+                        parts.append(f.read())
+            return "".join(parts)
+
+        results = []
+        for argv, run in zip(argvs, runs):
+            stdout, stderr = read(run, "stdout"), read(run, "stderr")
+            its = parse_iterations(stdout)
+            if proc.returncode != 0 and (not its or "Traceback" in stderr):
+                raise AssertionError(f"run {' '.join(argv)} (nproc {nproc}) failed:\n{stdout[-3000:]}\n"
+                                     f"{stderr[-5000:]}\nlauncher:\n{proc.stderr[-3000:]}")
+            if not its:
+                raise AssertionError(f"no iteration lines in output of {' '.join(argv)}:\n{stdout[-3000:]}\n"
+                                     f"{stderr[-3000:]}")
+            results.append(its)
+        if proc.returncode != 0:
+            raise AssertionError(f"launch of {len(argvs)} runs failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
+        return results
+
+
+class RunCache:
+    """Loss curves of the session's training runs, each computed once: ``losses({name: (nproc, argv)})`` launches
+    the runs not yet computed together, one launch per world size, and returns ``{name: losses}``."""
+
+    def __init__(self):
+        self._done: Dict[Tuple[int, Tuple[str, ...]], Dict[int, dict]] = {}
+
+    def losses(self, jobs: Dict[str, Tuple[int, List[str]]]) -> Dict[str, Dict[int, dict]]:
+        todo: Dict[int, List[Tuple[str, ...]]] = {}
+        for nproc, argv in jobs.values():
+            key = tuple(argv)
+            if (nproc, key) not in self._done and key not in todo.setdefault(nproc, []):
+                todo[nproc].append(key)
+        for nproc, argvs in sorted(todo.items()):
+            if argvs:
+                for argv, its in zip(argvs, losses_of_many([list(a) for a in argvs], nproc=nproc)):
+                    self._done[(nproc, argv)] = its
+        return {name: self._done[(nproc, tuple(argv))] for name, (nproc, argv) in jobs.items()}
 
 
 def assert_same_losses(a: Dict[int, dict], b: Dict[int, dict], rel: float = 1e-5, keys=("lm loss",)) -> None:
