@@ -93,10 +93,11 @@ def losses(argv: List[str], nproc: int = 1, **kw) -> Dict[int, dict]:
     return its
 
 
-def losses_of_many(argvs: Sequence[List[str]], nproc: int = 1, script: str = "pretrain_gpt.py",
-                   timeout: int = 900) -> List[Dict[int, dict]]:
-    """``[losses(argv, nproc) for argv in argvs]``, from one launch that runs them one after another
-    (tests/functional/run_many.py): one start-up of Python, torch and the process group for all of them."""
+def outputs_of_many(argvs: Sequence[List[str]], nproc: int = 1, script: str = "pretrain_gpt.py",
+                    timeout: int = 900) -> List[str]:
+    """The standard output of each run (all ranks), from one launch that runs them one after another
+    (tests/functional/run_many.py): one start-up of Python, torch and the process group for all of them. Every
+    run must succeed; the first failure raises with that run's output."""
     with tempfile.TemporaryDirectory() as tmp:
         runs = [{"argv": list(argv), "out": os.path.join(tmp, f"run{i}")} for i, argv in enumerate(argvs)]
         jobs = os.path.join(tmp, "jobs.json")
@@ -105,29 +106,38 @@ def losses_of_many(argvs: Sequence[List[str]], nproc: int = 1, script: str = "pr
         proc = run_pretrain([jobs], nproc=nproc, timeout=timeout, expect_ok=False,
                             script=os.path.join("tests", "functional", "run_many.py"))
 
-        def read(run: dict, suffix: str) -> str:
+        def read(run: dict, suffix: str) -> Optional[str]:
             parts = []
             for rank in range(nproc):
                 path = f"{run['out']}.rank{rank}.{suffix}"
                 if os.path.exists(path):
                     with open(path) as f:
                         parts.append(f.read())
-            return "".join(parts)
+            return "".join(parts) if parts else None
 
-        results = []
+        outputs = []
         for argv, run in zip(argvs, runs):
             stdout, stderr = read(run, "stdout"), read(run, "stderr")
-            its = parse_iterations(stdout)
-            if proc.returncode != 0 and (not its or "Traceback" in stderr):
-                raise AssertionError(f"run {' '.join(argv)} (nproc {nproc}) failed:\n{stdout[-3000:]}\n"
-                                     f"{stderr[-5000:]}\nlauncher:\n{proc.stderr[-3000:]}")
-            if not its:
-                raise AssertionError(f"no iteration lines in output of {' '.join(argv)}:\n{stdout[-3000:]}\n"
-                                     f"{stderr[-3000:]}")
-            results.append(its)
+            if stdout is None or "Traceback" in (stderr or ""):
+                raise AssertionError(f"run {' '.join(argv)} (nproc {nproc}) failed ({proc.returncode}):\n"
+                                     f"{(stdout or '')[-3000:]}\n{(stderr or '')[-5000:]}\n"
+                                     f"launcher:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            outputs.append(stdout)
         if proc.returncode != 0:
-            raise AssertionError(f"launch of {len(argvs)} runs failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
-        return results
+            raise AssertionError(f"the launch of {len(argvs)} runs failed ({proc.returncode}):\n"
+                                 f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}")
+        return outputs
+
+
+def losses_of_many(argvs: Sequence[List[str]], nproc: int = 1, **kw) -> List[Dict[int, dict]]:
+    """``[losses(argv, nproc) for argv in argvs]`` from one launch (see ``outputs_of_many``)."""
+    results = []
+    for argv, stdout in zip(argvs, outputs_of_many(argvs, nproc=nproc, **kw)):
+        its = parse_iterations(stdout)
+        if not its:
+            raise AssertionError(f"no iteration lines in the output of {' '.join(argv)}:\n{stdout[-3000:]}")
+        results.append(its)
+    return results
 
 
 class RunCache:
