@@ -5,13 +5,17 @@ import os
 
 import torch
 
-from tests.functional.harness import assert_same_losses, gpt_args, losses, parse_iterations, run_pretrain
+from tests.functional.harness import (assert_same_losses, gpt_args, losses, losses_of_many, parse_iterations,
+                                     run_pretrain)
 
 
 def _resume_equals_straight(data_prefix, tmp_path, nproc, total, stop, **layout):
-    straight = losses(gpt_args(data_prefix, train_iters=total, **layout), nproc=nproc)
     ckpt = str(tmp_path / "ckpt")
-    first = losses(gpt_args(data_prefix, train_iters=total, exit_interval=stop, save=ckpt, **layout), nproc=nproc)
+    # the uninterrupted run and the one that stops share one launch; the resumed run starts in a fresh process, so
+    # all it knows of the first part comes from the checkpoint
+    straight, first = losses_of_many([gpt_args(data_prefix, train_iters=total, **layout),
+                                      gpt_args(data_prefix, train_iters=total, exit_interval=stop, save=ckpt,
+                                               **layout)], nproc=nproc)
     assert sorted(first) == list(range(1, stop + 1))
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(stop)
     second = losses(gpt_args(data_prefix, train_iters=total, load=ckpt, **layout), nproc=nproc)
