@@ -148,15 +148,18 @@ class RunCache:
     def __init__(self):
         self._done: Dict[Tuple[int, Tuple[str, ...]], Dict[int, dict]] = {}
 
-    def losses(self, jobs: Dict[str, Tuple[int, List[str]]]) -> Dict[str, Dict[int, dict]]:
+    def losses(self, jobs: Dict[str, Tuple[int, List[str]]], launch_each: bool = False) -> Dict[str, Dict[int, dict]]:
+        """``launch_each``: every run in a process of its own (FP8 delayed scaling keeps one registry of scaling
+        sites per process, so a process trains one such model)."""
         todo: Dict[int, List[Tuple[str, ...]]] = {}
         for nproc, argv in jobs.values():
             key = tuple(argv)
             if (nproc, key) not in self._done and key not in todo.setdefault(nproc, []):
                 todo[nproc].append(key)
         for nproc, argvs in sorted(todo.items()):
-            if argvs:
-                for argv, its in zip(argvs, losses_of_many([list(a) for a in argvs], nproc=nproc)):
+            groups = [[a] for a in argvs] if launch_each else [argvs] if argvs else []
+            for group in groups:
+                for argv, its in zip(group, losses_of_many([list(a) for a in group], nproc=nproc)):
                     self._done[(nproc, argv)] = its
         return {name: self._done[(nproc, tuple(argv))] for name, (nproc, argv) in jobs.items()}
 

@@ -39,9 +39,11 @@ def runs(data_prefix, run_cache):
     jobs = {"fp32": (1, gpt_args(data_prefix)), "bf16": (1, gpt_args(data_prefix, bf16=True)),
             "fp16": (1, gpt_args(data_prefix, fp16=True, initial_loss_scale=2.0**40, hysteresis=1, train_iters=40,
                                  lr_decay_style="constant", lr_warmup_iters=0))}
+    delayed = {}
     for name, (nproc, flags) in FP8_LAYOUTS.items():
-        jobs[name] = (nproc, gpt_args(data_prefix, bf16=True, **flags))
-    return run_cache.losses(jobs)
+        (delayed if "fp8_recipe" in flags else jobs)[name] = (nproc, gpt_args(data_prefix, bf16=True, **flags))
+    # a process trains one model with FP8 delayed scaling (its scaling-site registry is per process)
+    return {**run_cache.losses(jobs), **run_cache.losses(delayed, launch_each=True)}
 
 
 def test_bf16_trains_and_tracks_fp32(runs):
