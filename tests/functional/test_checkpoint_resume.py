@@ -57,8 +57,8 @@ def test_resume_with_fp8_delayed_scaling_keeps_the_amax_history(data_prefix, tmp
     scales as the uninterrupted one: bit-exact on CPU (history 2, max, PP2: two ranks, two registries)."""
     # one_launch=False: a process trains one model with FP8 delayed scaling (its scaling-site registry is per process)
     ckpt = _resume_equals_straight(data_prefix, tmp_path, 2, 10, 5, one_launch=False, bf16=True,
-                                   fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=2, fp8_amax_compute_algo="max",
-                                   pipeline_model_parallel_size=2)
+                                   fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=2,
+                                   fp8_amax_compute_algo="max", pipeline_model_parallel_size=2)
     state = torch.load(os.path.join(ckpt, "iter_0000005", "mp_rank_00_000", "model_optim_rng.pt"),
                        weights_only=True)["fp8_delayed_scaling"]
     assert state["history"].shape[0] == 2 and state["history"].max() > 0 and len(state["state"]) > 0
