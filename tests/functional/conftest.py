@@ -1,6 +1,6 @@
 import pytest
 
-from tests.functional.harness import gpt_args, losses, preprocess_quickstart_corpus
+from tests.functional.harness import RunCache, gpt_args, preprocess_quickstart_corpus
 
 
 @pytest.fixture(scope="session")
@@ -9,6 +9,12 @@ def data_prefix(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def baseline(data_prefix):
+def run_cache():
+    """Loss curves shared by the session's tests: a run asked for twice (with the same flags) is trained once."""
+    return RunCache()
+
+
+@pytest.fixture(scope="session")
+def baseline(data_prefix, run_cache):
     """The single-process run every parallel layout is compared with (computed once per session)."""
-    return losses(gpt_args(data_prefix))
+    return run_cache.losses({"baseline": (1, gpt_args(data_prefix))})["baseline"]

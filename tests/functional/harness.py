@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 import socket
+import json
 import subprocess
 import sys
-from typing import Dict, List, Optional
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([-+0-9.eE]+|nan|inf) \|.*? loss scale: ([0-9.]+) \|"
@@ -89,6 +91,77 @@ def losses(argv: List[str], nproc: int = 1, **kw) -> Dict[int, dict]:
     if not its:
         raise AssertionError(f"no iteration lines in output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return its
+
+
+def outputs_of_many(argvs: Sequence[List[str]], nproc: int = 1, script: str = "pretrain_gpt.py",
+                    timeout_per_run: int = 600) -> List[str]:
+    """The standard output of each run (all ranks), from one launch that runs them one after another
+    (tests/functional/run_many.py): one start-up of Python, torch and the process group for all of them. Every
+    run must succeed; the first failure raises with that run's output. The launch may take ``timeout_per_run``
+    seconds per run, as many as separate launches would."""
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [{"argv": list(argv), "out": os.path.join(tmp, f"run{i}")} for i, argv in enumerate(argvs)]
+        jobs = os.path.join(tmp, "jobs.json")
+        with open(jobs, "w") as f:
+            json.dump({"script": script, "runs": runs}, f)
+        proc = run_pretrain([jobs], nproc=nproc, timeout=timeout_per_run * len(argvs), expect_ok=False,
+                            script=os.path.join("tests", "functional", "run_many.py"))
+
+        def read(run: dict, suffix: str) -> Optional[str]:
+            parts = []
+            for rank in range(nproc):
+                path = f"{run['out']}.rank{rank}.{suffix}"
+                if os.path.exists(path):
+                    with open(path) as f:
+                        parts.append(f.read())
+            return "".join(parts) if parts else None
+
+        outputs = []
+        for argv, run in zip(argvs, runs):
+            stdout, stderr = read(run, "stdout"), read(run, "stderr")
+            if stdout is None or "Traceback" in (stderr or ""):
+                raise AssertionError(f"run {' '.join(argv)} (nproc {nproc}) failed ({proc.returncode}):\n"
+                                     f"{(stdout or '')[-3000:]}\n{(stderr or '')[-5000:]}\n"
+                                     f"launcher:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            outputs.append(stdout)
+        if proc.returncode != 0:
+            raise AssertionError(f"the launch of {len(argvs)} runs failed ({proc.returncode}):\n"
+                                 f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}")
+        return outputs
+
+
+def losses_of_many(argvs: Sequence[List[str]], nproc: int = 1, **kw) -> List[Dict[int, dict]]:
+    """``[losses(argv, nproc) for argv in argvs]`` from one launch (see ``outputs_of_many``)."""
+    results = []
+    for argv, stdout in zip(argvs, outputs_of_many(argvs, nproc=nproc, **kw)):
+        its = parse_iterations(stdout)
+        if not its:
+            raise AssertionError(f"no iteration lines in the output of {' '.join(argv)}:\n{stdout[-3000:]}")
+        results.append(its)
+    return results
+
+
+class RunCache:
+    """Loss curves of the session's training runs, each computed once: ``losses({name: (nproc, argv)})`` launches
+    the runs not yet computed together, one launch per world size, and returns ``{name: losses}``."""
+
+    def __init__(self):
+        self._done: Dict[Tuple[int, Tuple[str, ...]], Dict[int, dict]] = {}
+
+    def losses(self, jobs: Dict[str, Tuple[int, List[str]]], launch_each: bool = False) -> Dict[str, Dict[int, dict]]:
+        """``launch_each``: every run in a process of its own (FP8 delayed scaling keeps one registry of scaling
+        sites per process, so a process trains one such model)."""
+        todo: Dict[int, List[Tuple[str, ...]]] = {}
+        for nproc, argv in jobs.values():
+            key = tuple(argv)
+            if (nproc, key) not in self._done and key not in todo.setdefault(nproc, []):
+                todo[nproc].append(key)
+        for nproc, argvs in sorted(todo.items()):
+            groups = [[a] for a in argvs] if launch_each else [argvs] if argvs else []
+            for group in groups:
+                for argv, its in zip(group, losses_of_many([list(a) for a in group], nproc=nproc)):
+                    self._done[(nproc, argv)] = its
+        return {name: self._done[(nproc, tuple(argv))] for name, (nproc, argv) in jobs.items()}
 
 
 def assert_same_losses(a: Dict[int, dict], b: Dict[int, dict], rel: float = 1e-5, keys=("lm loss",)) -> None:

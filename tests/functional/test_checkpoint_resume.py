@@ -5,13 +5,20 @@ import os
 
 import torch
 
-from tests.functional.harness import assert_same_losses, gpt_args, losses, parse_iterations, run_pretrain
+from tests.functional.harness import (assert_same_losses, gpt_args, losses, losses_of_many, parse_iterations,
+                                     run_pretrain)
 
 
-def _resume_equals_straight(data_prefix, tmp_path, nproc, total, stop, **layout):
-    straight = losses(gpt_args(data_prefix, train_iters=total, **layout), nproc=nproc)
+def _resume_equals_straight(data_prefix, tmp_path, nproc, total, stop, one_launch=True, **layout):
     ckpt = str(tmp_path / "ckpt")
-    first = losses(gpt_args(data_prefix, train_iters=total, exit_interval=stop, save=ckpt, **layout), nproc=nproc)
+    # the uninterrupted run and the one that stops share one launch (unless ``one_launch`` is False); the resumed
+    # run starts in a fresh process, so all it knows of the first part comes from the checkpoint
+    argvs = [gpt_args(data_prefix, train_iters=total, **layout),
+             gpt_args(data_prefix, train_iters=total, exit_interval=stop, save=ckpt, **layout)]
+    if one_launch:
+        straight, first = losses_of_many(argvs, nproc=nproc)
+    else:
+        straight, first = (losses(argv, nproc=nproc) for argv in argvs)
     assert sorted(first) == list(range(1, stop + 1))
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(stop)
     second = losses(gpt_args(data_prefix, train_iters=total, load=ckpt, **layout), nproc=nproc)
@@ -48,9 +55,10 @@ def test_resume_distributed_optimizer(data_prefix, tmp_path):
 def test_resume_with_fp8_delayed_scaling_keeps_the_amax_history(data_prefix, tmp_path):
     """The checkpoint holds the delayed-scaling histories and scales, so the resumed run quantizes with the same
     scales as the uninterrupted one: bit-exact on CPU (history 2, max, PP2: two ranks, two registries)."""
-    ckpt = _resume_equals_straight(data_prefix, tmp_path, 2, 10, 5, bf16=True, fp8_format="hybrid",
-                                   fp8_recipe="delayed", fp8_amax_history_len=2, fp8_amax_compute_algo="max",
-                                   pipeline_model_parallel_size=2)
+    # one_launch=False: a process trains one model with FP8 delayed scaling (its scaling-site registry is per process)
+    ckpt = _resume_equals_straight(data_prefix, tmp_path, 2, 10, 5, one_launch=False, bf16=True,
+                                   fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=2,
+                                   fp8_amax_compute_algo="max", pipeline_model_parallel_size=2)
     state = torch.load(os.path.join(ckpt, "iter_0000005", "mp_rank_00_000", "model_optim_rng.pt"),
                        weights_only=True)["fp8_delayed_scaling"]
     assert state["history"].shape[0] == 2 and state["history"].max() > 0 and len(state["state"]) > 0

@@ -14,7 +14,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-from tests.functional.harness import gpt_args, losses, preprocess_quickstart_corpus  # noqa: E402
+from tests.functional.harness import gpt_args, losses_of_many, preprocess_quickstart_corpus  # noqa: E402
 
 GOLDEN = os.path.join(HERE, "golden", "gpt_losses.json")
 CONFIGS = {
@@ -25,15 +25,20 @@ CONFIGS = {
 }
 
 
-def _run(data_prefix, name):
-    out = losses(gpt_args(data_prefix, **CONFIGS[name]))
+def _curve(out):
     return {str(k): {"lm loss": v["lm loss"], "grad norm": v["grad norm"]} for k, v in sorted(out.items())}
 
 
+@pytest.fixture(scope="module")
+def runs(data_prefix, run_cache):
+    """The configurations train one after another in one process."""
+    return run_cache.losses({name: (1, gpt_args(data_prefix, **flags)) for name, flags in CONFIGS.items()})
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_losses_match_golden(data_prefix, name):
+def test_losses_match_golden(runs, name):
     golden = json.load(open(GOLDEN))[name]
-    got = _run(data_prefix, name)
+    got = _curve(runs[name])
     assert sorted(got) == sorted(golden)
     for it, ref in golden.items():
         assert got[it]["lm loss"] == pytest.approx(ref["lm loss"], rel=2e-4), (name, it)
@@ -44,7 +49,9 @@ if __name__ == "__main__" and "--regenerate" in sys.argv:
     import tempfile
 
     prefix = preprocess_quickstart_corpus(tempfile.mkdtemp())
-    result = {name: _run(prefix, name) for name in sorted(CONFIGS)}
+    names = sorted(CONFIGS)
+    curves = losses_of_many([gpt_args(prefix, **CONFIGS[name]) for name in names])
+    result = {name: _curve(out) for name, out in zip(names, curves)}
     with open(GOLDEN, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     print(f"wrote {GOLDEN}")

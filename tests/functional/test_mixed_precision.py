@@ -3,7 +3,7 @@ TP+SP, PP2, DP2, and with delayed scaling); fp16 overflows skip and halve the sc
 
 import pytest
 
-from tests.functional.harness import assert_same_losses, gpt_args, losses
+from tests.functional.harness import assert_same_losses, gpt_args
 
 # Per-iteration tolerances of the mixed-precision curves against their reference, relative to a loss of about 10.
 # On this model (10 iterations, same data and initialisation) rounding alone keeps bf16 (fp32 main params) within
@@ -16,44 +16,61 @@ from tests.functional.harness import assert_same_losses, gpt_args, losses
 BF16_REL = 3e-4
 FP8_REL = 1e-3
 
+# name: (processes, flags); the runs of one world size train one after another in one launch
+FP8_LAYOUTS = {
+    "hybrid": (1, {"fp8_format": "hybrid"}),
+    "e4m3": (1, {"fp8_format": "e4m3"}),
+    "hybrid-tp2-sp": (2, {"fp8_format": "hybrid", "tp": 2, "sequence_parallel": True}),
+    "hybrid-pp2": (2, {"fp8_format": "hybrid", "pipeline_model_parallel_size": 2}),
+    # the FP8 weight gradients go into main_grad, which the buckets reduce-scatter as they fill
+    "hybrid-dp2-distopt-overlap": (2, {"fp8_format": "hybrid", "use_distributed_optimizer": True,
+                                       "overlap_grad_reduce": True, "ddp_bucket_size": 20000}),
+    "delayed-most-recent": (1, {"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 1,
+                                "fp8_amax_compute_algo": "most_recent"}),
+    "delayed-max-of-4-pp2": (2, {"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 4,
+                                 "fp8_amax_compute_algo": "max", "pipeline_model_parallel_size": 2}),
+    "delayed-most-recent-tp2-sp": (2, {"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 1,
+                                       "fp8_amax_compute_algo": "most_recent", "tp": 2, "sequence_parallel": True}),
+}
 
-def test_bf16_trains_and_tracks_fp32(data_prefix, baseline):
-    run = losses(gpt_args(data_prefix, bf16=True))
+
+@pytest.fixture(scope="module")
+def runs(data_prefix, run_cache):
+    jobs = {"fp32": (1, gpt_args(data_prefix)), "bf16": (1, gpt_args(data_prefix, bf16=True)),
+            "fp16": (1, gpt_args(data_prefix, fp16=True, initial_loss_scale=2.0**40, hysteresis=1, train_iters=40,
+                                 lr_decay_style="constant", lr_warmup_iters=0))}
+    delayed = {}
+    for name, (nproc, flags) in FP8_LAYOUTS.items():
+        (delayed if "fp8_recipe" in flags else jobs)[name] = (nproc, gpt_args(data_prefix, bf16=True, **flags))
+    # a process trains one model with FP8 delayed scaling (its scaling-site registry is per process)
+    return {**run_cache.losses(jobs), **run_cache.losses(delayed, launch_each=True)}
+
+
+def test_bf16_trains_and_tracks_fp32(runs):
+    run = runs["bf16"]
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
-    assert_same_losses(run, baseline, rel=BF16_REL)  # bf16 weights/activations with fp32 main params
+    assert_same_losses(run, runs["fp32"], rel=BF16_REL)  # bf16 weights/activations with fp32 main params
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 
-@pytest.mark.parametrize("fmt,tp,pp,dp", [("hybrid", 1, 1, 1), ("e4m3", 1, 1, 1), ("hybrid", 2, 1, 1),
-                                           ("hybrid", 1, 2, 1), ("hybrid", 1, 1, 2)],
-                         ids=["hybrid", "e4m3", "hybrid-tp2-sp", "hybrid-pp2", "hybrid-dp2-distopt-overlap"])
-def test_fp8_trains_and_tracks_bf16(data_prefix, fmt, tp, pp, dp):
-    bf16 = losses(gpt_args(data_prefix, bf16=True))  # single-process bf16 reference
-    extra = {"sequence_parallel": True} if tp > 1 else {}
-    if dp > 1:  # the FP8 weight gradients go into main_grad, which the buckets reduce-scatter as they fill
-        extra.update(use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size=20000)
-    run = losses(gpt_args(data_prefix, tp=tp, bf16=True, fp8_format=fmt, pipeline_model_parallel_size=pp, **extra),
-                 nproc=tp * pp * dp)
+@pytest.mark.parametrize("layout", ["hybrid", "e4m3", "hybrid-tp2-sp", "hybrid-pp2", "hybrid-dp2-distopt-overlap"])
+def test_fp8_trains_and_tracks_bf16(runs, layout):
+    run = runs[layout]
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
-    assert_same_losses(run, bf16, rel=FP8_REL)  # FP8 GEMMs (3 or 2 mantissa bits) on top of bf16
+    assert_same_losses(run, runs["bf16"], rel=FP8_REL)  # FP8 GEMMs (3 or 2 mantissa bits) on top of bf16
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 
-@pytest.mark.parametrize("history,algo,tp,pp", [(1, "most_recent", 1, 1), (4, "max", 1, 2), (1, "most_recent", 2, 1)],
-                         ids=["most-recent", "max-of-4-pp2", "most-recent-tp2-sp"])
-def test_fp8_delayed_scaling_trains_and_tracks_bf16(data_prefix, history, algo, tp, pp):
-    bf16 = losses(gpt_args(data_prefix, bf16=True))
-    run = losses(gpt_args(data_prefix, tp=tp, bf16=True, fp8_format="hybrid", fp8_recipe="delayed",
-                          fp8_amax_history_len=history, fp8_amax_compute_algo=algo, sequence_parallel=tp > 1,
-                          pipeline_model_parallel_size=pp), nproc=tp * pp)
+@pytest.mark.parametrize("layout", ["delayed-most-recent", "delayed-max-of-4-pp2", "delayed-most-recent-tp2-sp"])
+def test_fp8_delayed_scaling_trains_and_tracks_bf16(runs, layout):
+    run = runs[layout]
     assert run[10]["lm loss"] < run[1]["lm loss"] - 0.5
-    assert_same_losses(run, bf16, rel=FP8_REL)
+    assert_same_losses(run, runs["bf16"], rel=FP8_REL)
     assert all(v["skipped"] == 0 and v["nan"] == 0 for v in run.values())
 
 
-def test_fp16_dynamic_loss_scale_skips_overflows_then_trains(data_prefix):
-    run = losses(gpt_args(data_prefix, fp16=True, initial_loss_scale=2.0**40, hysteresis=1, train_iters=40,
-                          lr_decay_style="constant", lr_warmup_iters=0))
+def test_fp16_dynamic_loss_scale_skips_overflows_then_trains(runs):
+    run = runs["fp16"]
     scales = [run[i]["loss scale"] for i in sorted(run)]
     skipped = [run[i]["skipped"] for i in sorted(run)]
     # each overflow skips the step and halves the scale (hysteresis 1) until the gradients fit in fp16

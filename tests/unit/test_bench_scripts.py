@@ -36,17 +36,37 @@ def corpus_prefix(tmp_path_factory):
     return prepare_dataset(str(tmp_path_factory.mktemp("bench_corpus")))
 
 
+# Runs each script given on the command line as ``python SCRIPT --help`` would (as __main__, its folder first on
+# sys.path), one after another in this one process: torch is imported once. Prints {script: output} of failures.
+HELP_EACH = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+failed = {}
+for path in sys.argv[1:]:
+    out, code = io.StringIO(), None
+    sys.argv = [path, "--help"]
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        out.write(traceback.format_exc())
+        code = "exception"
+    finally:
+        sys.path.pop(0)
+    if code not in (0, None) or "usage:" not in out.getvalue():
+        failed[os.path.basename(path)] = out.getvalue()[-2000:]
+print(json.dumps(failed))
+"""
+
+
 def test_maintained_scripts_start():
-    """``--help`` imports each script and everything it imports at start-up, and builds its argument parser
-    (the scripts run side by side: each start is mostly the import of torch)."""
-    procs = {script: subprocess.Popen([sys.executable, os.path.join(BENCH, script), "--help"], cwd=ROOT, env=_env(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for script in MAINTAINED}
-    failed = {}
-    for script, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
-        if proc.returncode != 0 or "usage:" not in out:
-            failed[script] = out[-2000:]
+    """``--help`` imports each script and everything it imports at start-up, and builds its argument parser."""
+    proc = subprocess.run([sys.executable, "-c", HELP_EACH] + [os.path.join(BENCH, s) for s in MAINTAINED], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not failed, failed
 
 
