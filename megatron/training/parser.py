@@ -116,10 +116,10 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="stop with an error after N consecutive iterations that skipped their update (fp16 "
                         "overflow at every loss scale, a non-finite gradient norm); 0: never stop")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
-                   default=False, help="stop with an error at the first non-finite loss or gradient norm "
-                                       "(under --fp16 a non-finite gradient only skips the step)")
+                   default=True, help="stop with an error at the first non-finite loss or gradient norm (the default; "
+                                      "under --fp16 a non-finite gradient only skips the step)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false", help="do not stop on a non-finite loss or gradient norm (the default)")
+                   action="store_false", help="count non-finite iterations instead of stopping")
     g.add_argument("--seed", type=int, default=1234, help="random seed (initialisation, dropout, data order)")
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="capture the whole training iteration in one CUDA graph and replay it (one GPU)")

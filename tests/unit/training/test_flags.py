@@ -43,6 +43,7 @@ def test_gpt_example_command_line():
     m = cfg.model
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
     assert cfg.scheduler.lr_warmup_iters == 3200 and cfg.precision.fp16 and cfg.data.split == "949,50,1"
+    assert cfg.training.check_for_nan_in_loss_and_grad  # on unless --no-check-for-nan-in-loss-and-grad, as in Megatron-LM
 
 
 def test_bert_style_command_line():
@@ -76,6 +77,7 @@ LEGACY = [
     (["--distributed-timeout-minutes", "0.5"], ft.IMPLEMENTED,
      lambda c: c.parallel.distributed_timeout_minutes == 0.5),
     (["--check-for-nan-in-loss-and-grad"], ft.IMPLEMENTED, lambda c: c.training.check_for_nan_in_loss_and_grad),
+    (["--no-check-for-nan-in-loss-and-grad"], ft.IMPLEMENTED, lambda c: not c.training.check_for_nan_in_loss_and_grad),
     (["--tensorboard-queue-size", "7"], ft.IMPLEMENTED, lambda c: c.logging.tensorboard_queue_size == 7),
     (["--no-bias-gelu-fusion"], ft.IMPLEMENTED, lambda c: not c.model.bias_gelu_fusion and c.model.bias_dropout_fusion
      and c.model.persist_layer_norm),
