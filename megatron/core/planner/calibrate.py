@@ -223,8 +223,8 @@ def derive_gemm_tables(measured: Dict[str, List[List[float]]]) -> Dict[str, List
 
     tables = {k: envelope(v) for k, v in measured.items()}
     if "fp8" in tables and "bf16" in tables:
-        from megatron.core.planner.timing import _interp
-        tables["fp8"] = envelope([[x, max(r, _interp(tables["bf16"], x))] for x, r in tables["fp8"]])
+        from megatron.core.planner.timing import interp
+        tables["fp8"] = envelope([[x, max(r, interp(tables["bf16"], x))] for x, r in tables["fp8"]])
     return tables
 
 

@@ -56,7 +56,7 @@ def dump_calibration(cal: dict, path: str) -> None:
         f.write(text + "\n")
 
 
-def _interp(points: List[List[float]], x: float) -> float:
+def interp(points: List[List[float]], x: float) -> float:
     """Piecewise-linear in log(x) through ``[[x, y], ...]``, flat beyond the ends."""
     pts = sorted(points)
     if x <= pts[0][0]:
@@ -75,7 +75,7 @@ def gemm_seconds(cal: dict, m: int, n: int, k: int, precision: str) -> float:
     table = cal["gemm_tflops"].get("fp8" if precision == "fp8" else "bf16")
     if precision == "fp32":
         table = cal["gemm_tflops"].get("fp32", [[1.0, cal["peak_tflops"].get("tf32", 400.0) * 0.6]])
-    return flops / (_interp(table, flops) * 1e12)
+    return flops / (interp(table, flops) * 1e12)
 
 
 def _bw(cal: dict, group_size: int, spans_nodes: bool) -> float:
@@ -126,7 +126,7 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
     # BERT: bidirectional attention with a key-padding mask (no flash kernel takes one): its own measured rate
     table = cal.get("attention_masked_tflops") if shape.model == "bert" else None
     table = table or cal["attention_tflops"]
-    attn_rate = _interp([[float(k), v] for k, v in table.items()], float(d)) * 1e12
+    attn_rate = interp([[float(k), v] for k, v in table.items()], float(d)) * 1e12
     attn_fwd = attn_fwd_flops / attn_rate
     if layout.attention_backend == "unfused":
         attn_fwd *= 2.0
