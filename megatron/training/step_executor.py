@@ -25,6 +25,7 @@ and ``finish``, plus ``can_run_ahead`` if it can launch a step before the previo
 
 from __future__ import annotations
 
+import abc
 from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
@@ -48,7 +49,7 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-class StepExecutor:
+class StepExecutor(abc.ABC):
     """Runs training steps one after the other, possibly launching the next before reading the current one.
 
     Subclasses implement ``launch(ahead)`` (start a step, return a handle) and ``finish(handle)`` (its
@@ -68,13 +69,13 @@ class StepExecutor:
         """Whether the next step may be launched now, before the one just launched is read."""
         return False
 
+    @abc.abstractmethod
     def launch(self, ahead: bool):
         """Start one step; ``ahead``: the previous launched step is still unread. Returns ``finish``'s handle."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish(self, handle) -> tuple:
         """``(losses, update_ok, grad_norm)`` of a launched step."""
-        raise NotImplementedError
 
     def step(self, run_ahead: bool) -> StepResult:
         """The results of the next step. ``run_ahead``: the caller has nothing to do between this step and the
