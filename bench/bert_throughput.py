@@ -52,8 +52,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from corpus import NUM_WORKERS, SEED, SPLIT, bert_batches, prepare_bert_dataset  # noqa: E402
-from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, environment, parse_ours_log,  # noqa: E402
-                            write_results)
+from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, comma_choices, environment,  # noqa: E402
+                            parse_ours_log, write_results)
 from megatron.training.logging import num_floating_point_operations  # noqa: E402
 
 SHAPES = {
@@ -238,14 +238,8 @@ def main() -> None:
                      a.micro_batch_size or SHAPES[a.shape]["micro_batch_size"])
         print("BENCH_RESULT " + json.dumps(res), flush=True)
         return
-    trainers = [t for t in a.trainers.split(",") if t]
-    shapes = [s for s in a.shapes.split(",") if s]
-    for t in trainers:
-        if t not in TRAINERS:
-            raise SystemExit(f"--trainers: unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
-    for s in shapes:
-        if s not in SHAPES:
-            raise SystemExit(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    trainers = comma_choices("--trainers", a.trainers, TRAINERS)
+    shapes = comma_choices("--shapes", a.shapes, SHAPES)
     t0 = time.time()
     data_prefix = a.data_prefix or prepare_bert_dataset(tempfile.mkdtemp(prefix="bench_bert_"), a.vocab_file,
                                                         source=a.corpus)

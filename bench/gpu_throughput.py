@@ -415,6 +415,15 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
         f.write("\n".join(md) + "\n")
 
 
+def comma_choices(flag: str, value: str, allowed) -> list:
+    """The items of a comma-separated flag value, each one of ``allowed`` (else one error line naming it)."""
+    items = [v for v in value.split(",") if v]
+    for v in items:
+        if v not in allowed:
+            raise SystemExit(f"{flag}: unknown value {v!r}; choose from {', '.join(allowed)}")
+    return items
+
+
 def _glue_values(argv: list) -> list:
     """``--ours-args --flag`` would make argparse read --flag as an option: glue each value to its option."""
     out = list(argv)
@@ -482,14 +491,8 @@ def main() -> None:
         print("BENCH_RESULT " + json.dumps(run_worker(a.worker, a.shape, a.iters, a.warmup, a.data_prefix)),
               flush=True)
         return
-    trainers = [t for t in a.trainers.split(",") if t]
-    shapes = [s for s in a.shapes.split(",") if s]
-    for t in trainers:
-        if t not in TRAINERS:
-            raise SystemExit(f"--trainers: unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
-    for s in shapes:
-        if s not in SHAPES:
-            raise SystemExit(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    trainers = comma_choices("--trainers", a.trainers, TRAINERS)
+    shapes = comma_choices("--shapes", a.shapes, SHAPES)
     variants = [tuple(v.partition(":")[::2]) for v in a.variant]
     if any(not label for label, _ in variants):
         raise SystemExit("--variant: expected LABEL:FLAGS with a non-empty LABEL")

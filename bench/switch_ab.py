@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from corpus import prepare_dataset  # noqa: E402
-from gpu_throughput import SHAPES, ours_flags, parse_ours_log, run_ours_wrapper  # noqa: E402
+from gpu_throughput import SHAPES, comma_choices, ours_flags, parse_ours_log, run_ours_wrapper  # noqa: E402
 from results_io import run_meta, write_results  # noqa: E402
 
 # Flags of our bf16 rows in the throughput table (bench/gpu_session.sh table) beyond the shape and OURS_BASE_ARGS.
@@ -184,14 +184,8 @@ def main() -> None:
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--log-dir", default=None, help="where to keep every run's full log")
     a = ap.parse_args()
-    shapes = [s for s in a.shapes.split(",") if s]
-    switches = [s for s in a.switches.split(",") if s]
-    for s in shapes:
-        if s not in SHAPES:
-            raise SystemExit(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
-    for s in switches:
-        if s not in SWITCHES:
-            raise SystemExit(f"--switches: unknown switch {s!r}; choose from {', '.join(SWITCHES)}")
+    shapes = comma_choices("--shapes", a.shapes, SHAPES)
+    switches = comma_choices("--switches", a.switches, SWITCHES)
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {a.rounds}")
     if a.data_prefix and not (os.path.exists(a.data_prefix + ".bin") and os.path.exists(a.data_prefix + ".idx")):
