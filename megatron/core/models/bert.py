@@ -245,7 +245,8 @@ class BertModel(nn.Module):
         """
         s, b, h = hidden.shape
         keep = loss_mask != 0  # [b, s]
-        order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]  # [b, k]
+        order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices  # [b, s]
+        order = order[:, :k].contiguous()  # [b, k] (a copy: the scatter's backward keeps k indices, not s)
         selected = keep.gather(1, order).t()  # [k, b], False in the unused slots
         rows = order.t() * b + torch.arange(b, device=order.device)  # [k, b] row of (position, sample) in s*b
         picked = hidden.reshape(s * b, h).index_select(0, rows.reshape(-1)).view(k, b, h)  # [k, b, h]
