@@ -1,14 +1,19 @@
 """--enable-cuda-graph (the whole iteration captured once and replayed) trains like the eager trainer (GPU only).
 
-The reference is the same pretrain_gpt.py run without the flag: same seed, same data, dropout 0. The graph run
-does its warm-up iterations eagerly, then captures and replays; every iteration's loss and grad norm must
-agree with the eager run, and a resume from a checkpoint the graph run saved must continue the same curve.
+The reference is the same pretrain_gpt.py (or pretrain_bert.py) run without the flag: same seed, same data. The
+graph run does its warm-up iterations eagerly, then captures and replays; every iteration's loss and grad norm
+must agree with the eager run, and a resume from a checkpoint the graph run saved must continue the same curve.
+With hidden dropout on, the replays draw from the same generator offsets as the eager kernels, so the curves
+still agree.
 """
+
+import re
 
 import pytest
 import torch
 
-from tests.functional.harness import assert_same_losses, gpt_args, losses, preprocess_quickstart_corpus
+from tests.functional.harness import assert_same_losses, gpt_args, losses, preprocess_quickstart_corpus, run_pretrain
+from tests.functional.test_bert_training import shakespeare  # noqa: F401  (the BERT data fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -88,3 +93,70 @@ def test_running_ahead_stops_for_evaluation_and_checkpoints(prefix, tmp_path):
     resumed, _ = run(enable_cuda_graph=True, cuda_graph_warmup_steps=2, load=str(tmp_path / "graph"))
     assert sorted(resumed) == list(range(9, 13))
     assert_same_losses({i: graph[i] for i in resumed}, resumed, rel=1e-4, keys=("lm loss",))
+
+
+# ---- BERT ------------------------------------------------------------------------------------------------------
+BERT_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([-+0-9.eE]+) \|(?: sop loss: ([-+0-9.eE]+) \|)?"
+                       r".*? grad norm: ([-+0-9.eE]+) \|")
+
+
+def _bert_args(shakespeare, tmp_path, **kw):
+    """A tiny BERT on the bundled corpus (real sentence pairs, padded batches), two microbatches per step."""
+    prefix, vocab = shakespeare
+    opts = {"num-layers": 2, "hidden-size": 128, "num-attention-heads": 4, "seq-length": 128,
+            "max-position-embeddings": 128, "micro-batch-size": 8, "global-batch-size": 16, "train-iters": 12,
+            "lr": 2e-3, "min-lr": 2e-4, "lr-decay-style": "cosine", "lr-warmup-iters": 2, "weight-decay": 0.01,
+            "clip-grad": 1.0, "attention-dropout": 0.0, "hidden-dropout": 0.0, "seed": 1234, "log-interval": 1,
+            "eval-iters": 0, "split": "100,0,0", "tokenizer-type": "BertWordPieceLowerCase", "vocab-file": vocab,
+            "data-path": prefix, "data-cache-path": str(tmp_path / "cache"), "num-workers": 1,
+            "attention-backend": "sdpa"}
+    opts.update({k.replace("_", "-"): v for k, v in kw.items()})
+    argv = []
+    for key, value in opts.items():
+        if value is None or value is False:
+            continue
+        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return argv
+
+
+def _bert_losses(argv):
+    out = run_pretrain(argv, script="pretrain_bert.py").stdout
+    its = {int(m.group(1)): {"lm loss": float(m.group(2)), "sop loss": float(m.group(3) or "nan"),
+                             "grad norm": float(m.group(4))} for m in BERT_LINE.finditer(out)}
+    assert sorted(its) == list(range(1, 13)), out[-3000:]
+    return its
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["dropout_off", "dropout_on"])
+def test_bert_graph_matches_eager(shakespeare, tmp_path, precision, dropout):  # noqa: F811
+    """The BERT step (padding mask, the masked-LM head's static selection, binary head) captured and replayed
+    gives every iteration's MLM loss, sentence-order loss and grad norm of the eager trainer. The eager run drops
+    the attention mask for batches without padding; the graph always passes it (the same attention)."""
+    extra = {"bf16": True} if precision == "bf16" else {}
+    eager = _bert_losses(_bert_args(shakespeare, tmp_path, hidden_dropout=dropout, **extra))
+    graph = _bert_losses(_bert_args(shakespeare, tmp_path, hidden_dropout=dropout, enable_cuda_graph=True,
+                                    cuda_graph_warmup_steps=2, **extra))
+    rel = 1e-4 if precision == "fp32" else 2e-3
+    assert_same_losses(eager, graph, rel=rel, keys=("lm loss", "sop loss", "grad norm"))
+    assert graph[12]["lm loss"] < graph[1]["lm loss"] - 0.3
+
+
+def test_bert_graph_without_binary_head_resumes_on_the_curve(shakespeare, tmp_path):  # noqa: F811
+    """--bert-no-binary-head under the graph: the MLM loss alone, and a checkpoint saved by the graph run at
+    iteration 6 resumes (warm-up, capture, replays again) on the uninterrupted graph curve."""
+    base = dict(bert_no_binary_head=True, enable_cuda_graph=True, cuda_graph_warmup_steps=2)
+    eager = _bert_losses(_bert_args(shakespeare, tmp_path, bert_no_binary_head=True))
+    straight = _bert_losses(_bert_args(shakespeare, tmp_path, **base))
+    assert_same_losses(eager, straight, rel=1e-4, keys=("lm loss", "grad norm"))
+    ckpt = str(tmp_path / "ckpt")
+    first = run_pretrain(_bert_args(shakespeare, tmp_path, save=ckpt, exit_interval=6, **base),
+                         script="pretrain_bert.py").stdout
+    second = _bert_losses_from(run_pretrain(_bert_args(shakespeare, tmp_path, load=ckpt, **base),
+                                            script="pretrain_bert.py").stdout)
+    resumed = {**_bert_losses_from(first), **second}
+    assert_same_losses(straight, resumed, rel=1e-4, keys=("lm loss",))
+
+
+def _bert_losses_from(out):
+    return {int(m.group(1)): {"lm loss": float(m.group(2))} for m in BERT_LINE.finditer(out)}
