@@ -109,7 +109,7 @@ def _bert_args(shakespeare, tmp_path, **kw):
             "clip-grad": 1.0, "attention-dropout": 0.0, "hidden-dropout": 0.0, "seed": 1234, "log-interval": 1,
             "eval-iters": 0, "split": "100,0,0", "tokenizer-type": "BertWordPieceLowerCase", "vocab-file": vocab,
             "data-path": prefix, "data-cache-path": str(tmp_path / "cache"), "num-workers": 1,
-            "attention-backend": "sdpa"}
+            "attention-backend": "auto"}
     opts.update({k.replace("_", "-"): v for k, v in kw.items()})
     argv = []
     for key, value in opts.items():
@@ -139,7 +139,7 @@ def test_bert_graph_matches_eager(shakespeare, tmp_path, precision, dropout):  #
                                     cuda_graph_warmup_steps=2, **extra))
     rel = 1e-4 if precision == "fp32" else 2e-3
     assert_same_losses(eager, graph, rel=rel, keys=("lm loss", "sop loss", "grad norm"))
-    assert graph[12]["lm loss"] < graph[1]["lm loss"] - 0.3
+    assert graph[12]["lm loss"] < graph[1]["lm loss"] - 0.2
 
 
 def test_bert_graph_without_binary_head_resumes_on_the_curve(shakespeare, tmp_path):  # noqa: F811
