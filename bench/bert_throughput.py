@@ -293,6 +293,8 @@ def main() -> None:
                 extras["errors"][key] = str(exc)[-2000:]
             else:
                 extras["losses"][key] = res.get("losses")
+                if res.get("replay_ms"):  # --enable-cuda-graph: each timed replay's GPU time
+                    extras.setdefault("replay_ms", {})[key] = res["replay_ms"]
                 rows.append(row)
                 print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
                       f"MFU {100 * row['mfu']:.1f}% of the bf16 peak, peak {row['peak_mem_gib']} GiB", flush=True)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.functional.harness import assert_same_losses, gpt_args, losses, preprocess_quickstart_corpus, run_pretrain
-from tests.functional.test_bert_training import shakespeare  # noqa: F401  (the BERT data fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -96,6 +95,25 @@ def test_running_ahead_stops_for_evaluation_and_checkpoints(prefix, tmp_path):
 
 
 # ---- BERT ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory):
+    """(``_text_sentence`` prefix, vocab.txt) of the bundled corpus with a WordPiece vocabulary trained on it."""
+    import json
+
+    from tokenizers import BertWordPieceTokenizer
+
+    from tests.functional.test_bert_training import SPECIAL, _preprocess, _shakespeare_jsonl
+
+    d = tmp_path_factory.mktemp("cuda_graph_bert")
+    jsonl = _shakespeare_jsonl(d / "corpus.jsonl")
+    with open(jsonl) as f:
+        docs = [json.loads(line)["text"] for line in f]
+    tok = BertWordPieceTokenizer(lowercase=True)
+    tok.train_from_iterator(docs, vocab_size=8000, min_frequency=2, special_tokens=SPECIAL, show_progress=False)
+    vocab = tok.save_model(str(d), "shakespeare")[0]
+    return _preprocess(jsonl, str(d / "shakespeare"), vocab), vocab
+
+
 BERT_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([-+0-9.eE]+) \|(?: sop loss: ([-+0-9.eE]+) \|)?"
                        r".*? grad norm: ([-+0-9.eE]+) \|")
 
@@ -129,7 +147,7 @@ def _bert_losses(argv):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["dropout_off", "dropout_on"])
-def test_bert_graph_matches_eager(shakespeare, tmp_path, precision, dropout):  # noqa: F811
+def test_bert_graph_matches_eager(shakespeare, tmp_path, precision, dropout):
     """The BERT step (padding mask, the masked-LM head's static selection, binary head) captured and replayed
     gives every iteration's MLM loss, sentence-order loss and grad norm of the eager trainer. The eager run drops
     the attention mask for batches without padding; the graph always passes it (the same attention)."""
@@ -142,7 +160,7 @@ def test_bert_graph_matches_eager(shakespeare, tmp_path, precision, dropout):  #
     assert graph[12]["lm loss"] < graph[1]["lm loss"] - 0.2
 
 
-def test_bert_graph_without_binary_head_resumes_on_the_curve(shakespeare, tmp_path):  # noqa: F811
+def test_bert_graph_without_binary_head_resumes_on_the_curve(shakespeare, tmp_path):
     """--bert-no-binary-head under the graph: the MLM loss alone, and a checkpoint saved by the graph run at
     iteration 6 resumes (warm-up, capture, replays again) on the uninterrupted graph curve."""
     base = dict(bert_no_binary_head=True, enable_cuda_graph=True, cuda_graph_warmup_steps=2)
