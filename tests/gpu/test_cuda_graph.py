@@ -178,3 +178,77 @@ def test_bert_graph_without_binary_head_resumes_on_the_curve(shakespeare, tmp_pa
 
 def _bert_losses_from(out):
     return {int(m.group(1)): {"lm loss": float(m.group(2))} for m in BERT_LINE.finditer(out)}
+
+
+def _bert_batch(seed: int, s: int, b: int, vocab: int, k: int, padded: bool) -> dict:
+    """A masked-LM batch on the CPU (as the loader gives it): some samples padded, each masking 0..k positions."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(s // 2, s + 1, (b,), generator=g) if padded else torch.full((b,), s)
+    padding = (torch.arange(s).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [b, s], 1 = token
+    loss_mask = torch.zeros(b, s, dtype=torch.long)
+    for i in range(b):
+        count = [k, 0, 1, int(torch.randint(1, k + 1, (1,), generator=g))][i % 4]
+        loss_mask[i, torch.randperm(int(lengths[i]), generator=g)[:count]] = 1
+    labels = torch.where(loss_mask.bool(), torch.randint(5, vocab, (b, s), generator=g), -1)
+    text = torch.randint(5, vocab, (b, s), generator=g) * padding  # [b, s], 0 = [PAD]
+    types = (torch.arange(s) >= s // 3).long().unsqueeze(0) * padding  # [b, s], segment B from s/3
+    return dict(text=text, types=types, labels=labels, is_random=torch.randint(0, 2, (b,), generator=g),
+                loss_mask=loss_mask, padding_mask=padding)
+
+
+def test_bert_step_captures_and_replays_new_batches():
+    """The BERT forward step, loss and backward (static masked-LM selection, padding mask, binary head, no host
+    read) captured once as a CUDA graph; replayed on new batches (other padding, other masked positions, a sample
+    with nothing masked, one masking the bound k) it gives the eager step's loss statistics and every gradient."""
+    from megatron.core.models.bert import BertModel, initialize_bert_parameters
+    from megatron.core.models.bert_loss import make_bert_forward_step, max_masked_positions
+    from megatron.core.parallel_state import ParallelState
+    from megatron.core.tensor_parallel import model_parallel_seed
+    from megatron.core.transformer.config import TransformerConfig
+
+    ps = ParallelState.single()
+    model_parallel_seed(1234, ps)
+    s, b, vocab = 64, 8, 256
+    k = max_masked_positions(0.15, s)
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=s,
+                            max_position_embeddings=s, padded_vocab_size=vocab, attention_dropout=0.0,
+                            hidden_dropout=0.0, attention_mask_type="padding")
+    model = BertModel(cfg, ps)
+    initialize_bert_parameters(model, 5, cfg, ps)
+    batches = [_bert_batch(i, s, b, vocab, k, padded=i != 2) for i in range(4)]
+
+    def run(step, batch):
+        output, loss_func = step(iter([batch]), model)
+        loss, stats = loss_func(output)
+        loss.backward()
+        return loss, stats
+
+    eager_step = make_bert_forward_step(ps, max_masked=k)
+    expected = []
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        loss, stats = run(eager_step, batch)
+        expected.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+
+    graph_step = make_bert_forward_step(ps, max_masked=k, capturable=True)
+    static = {key: value.cuda() for key, value in batches[0].items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels chosen and memory allocated outside the capture
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            run(graph_step, static)
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, _ = run(graph_step, static)
+    for i in (1, 2, 3, 0):
+        for key, value in batches[i].items():
+            static[key].copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        loss, grads = expected[i]
+        assert abs(static_loss.item() - loss) <= 1e-5 * abs(loss), (i, static_loss.item(), loss)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=f"batch {i}: {name}")
