@@ -18,7 +18,7 @@ from typing import List, Optional
 
 from megatron.core.datasets.bert_dataset import MIN_SEQ_LENGTH
 from megatron.core.models.bert import BertModel, initialize_bert_parameters
-from megatron.core.models.bert_loss import bert_loss_func, get_bert_batch
+from megatron.core.models.bert_loss import bert_loss_func, get_bert_batch, max_masked_positions
 from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training.config import ExtraSection, TrainingContext, transformer_config
 from megatron.training.dry_run import print_dry_run, wants_dry_run
@@ -69,8 +69,6 @@ def validate_bert(ns) -> None:
     if ns.seq_length < MIN_SEQ_LENGTH:
         raise ConfigError(f"--seq-length {ns.seq_length} is too short for a BERT sample [CLS] A [SEP] B [SEP]: "
                           f"at least {MIN_SEQ_LENGTH} tokens are needed")
-    if ns.enable_cuda_graph:
-        raise ConfigError("--enable-cuda-graph captures the GPT step only; run pretrain_bert.py without it")
 
 
 BERT = ExtraSection("bert", BertConfig, add_bert_arguments, validate_bert)
@@ -107,12 +105,16 @@ def loss_func(loss_mask, is_random, output_tensor):
 
 
 def forward_step(ctx: TrainingContext, data_iterator, model):
-    """Every pipeline stage reads the batch: each stage's attention needs the padding mask."""
+    """Every pipeline stage reads the batch: each stage's attention needs the padding mask. The masked-LM head
+    projects ``floor(--mask-prob x --seq-length)`` positions per sample; nothing here reads the device on the host,
+    so ``--enable-cuda-graph`` can capture the step (the padding mask is then always passed)."""
     inner = getattr(model, "module", model)
-    batch = get_bert_batch(data_iterator, ctx.pstate)
-    labels = batch["labels"] if inner.post_process else None
-    output = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=labels,
-                   lm_loss_mask=batch["loss_mask"] if inner.post_process else None)
+    k = max_masked_positions(ctx.config.extra["bert"].mask_prob, ctx.config.model.seq_length)
+    batch = get_bert_batch(data_iterator, ctx.pstate, k, capturable=ctx.config.training.enable_cuda_graph)
+    post = inner.post_process
+    output = model(batch["text"], batch["attention_mask"], tokentype_ids=batch["types"],
+                   lm_labels=batch["labels"] if post else None, lm_loss_mask=batch["loss_mask"] if post else None,
+                   max_masked_positions=k)
     return output, lambda out: loss_func(batch["loss_mask"], batch["is_random"], out)
 
 

@@ -17,11 +17,19 @@ x sequence length (padded positions included: both trainers compute them), and F
     72 L h^2 + 12 L h s + 6 h V + 6 h^2
 
 (Megatron's count for the encoder with a 4h MLP and the vocabulary projection of every position, plus the MLM
-head's h x h transform; the pooler and binary head, once per sample, are left out).
+head's h x h transform; the pooler and binary head, once per sample, are left out). The same count for both
+trainers, although ours projects only floor(0.15 x s) positions per sample onto the vocabulary (the masked ones)
+where HF projects all s.
 
 Rows have the keys of ``bench/gpu_throughput.py``'s rows and are merged into ``bench/results/gpu_throughput.json``
 (the other trainers' rows are kept; a row of the same trainer and shape is replaced), with the Markdown table
 rewritten beside it.
+
+``--variant LABEL:FLAGS`` (repeatable) runs ours-bert once per variant with FLAGS added, as rows
+``ours-bert[LABEL]``: the eager trainer and the whole step captured as a CUDA graph in one run, next to HF::
+
+    python bench/bert_throughput.py --vocab-file V --data-prefix P --variant eager: \
+        --variant "graph:--enable-cuda-graph --cuda-graph-warmup-steps 2"
 
 Every input is a flag (``--vocab-file``, ``--corpus`` or ``--data-prefix``, ``--results-dir``), so the benchmark
 runs on a machine without network or shared data. Each trainer's output is echoed as it comes (the HF peer prints
@@ -52,8 +60,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from corpus import NUM_WORKERS, SEED, SPLIT, bert_batches, prepare_bert_dataset  # noqa: E402
-from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, comma_choices, environment,  # noqa: E402
-                            parse_ours_log, write_results)
+from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, _glue_values, comma_choices,  # noqa: E402
+                            environment, parse_ours_log, write_results)
 from megatron.training.logging import num_floating_point_operations  # noqa: E402
 
 SHAPES = {
@@ -160,9 +168,20 @@ def ours_command(shape: dict, iters: int, warmup: int, data_prefix: str, vocab_f
             os.path.join(ROOT, "pretrain_bert.py")] + shlex.split(args)
 
 
-def run_ours(shape: dict, a, data_prefix: str) -> tuple:
-    cmd = ours_command(shape, a.iters, a.warmup, data_prefix, a.vocab_file, a.ours_args)
-    code, log = stream(cmd, a.trainer_timeout, "ours-bert")
+def parse_variants(specs: list) -> list:
+    """``[(label, flags)]`` of the ``--variant LABEL:FLAGS`` options, or ``[("", "")]`` (one plain run)."""
+    variants = [tuple(v.partition(":")[::2]) for v in specs]
+    if any(not label for label, _ in variants):
+        raise SystemExit("--variant: expected LABEL:FLAGS with a non-empty LABEL, e.g. 'graph:--enable-cuda-graph'")
+    labels = [label for label, _ in variants]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"--variant: each LABEL once, got {', '.join(labels)}")
+    return variants or [("", "")]
+
+
+def run_ours(shape: dict, a, data_prefix: str, flags: str = "", name: str = "ours-bert") -> tuple:
+    cmd = ours_command(shape, a.iters, a.warmup, data_prefix, a.vocab_file, f"{a.ours_args} {flags}".strip())
+    code, log = stream(cmd, a.trainer_timeout, name)
     if code != 0:
         why = f"exited with {code}" if code is not None else f"stopped after --trainer-timeout {a.trainer_timeout} s"
         raise RuntimeError(f"pretrain_bert.py {why}:\n{log[-4000:]}")
@@ -222,13 +241,16 @@ def main() -> None:
     ap.add_argument("--corpus", default=None,
                     help="loose-JSON corpus (.jsonl or .jsonl.gz) to split and tokenise (default: the bundled one)")
     ap.add_argument("--data-prefix", default=None, help="an already tokenised _text_sentence prefix (skips --corpus)")
-    ap.add_argument("--ours-args", default="", help="extra flags for pretrain_bert.py (glue with =)")
+    ap.add_argument("--ours-args", default="", help="extra flags for pretrain_bert.py")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:FLAGS",
+                    help="run ours-bert once per variant with FLAGS added; rows named ours-bert[LABEL], e.g. "
+                         "'eager:' and 'graph:--enable-cuda-graph'")
     ap.add_argument("--trainer-timeout", type=float, default=150.0, help="seconds each trainer may run")
     ap.add_argument("--bf16-peak-tflops", type=float, default=BF16_PEAK_TFLOPS)
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(_glue_values(sys.argv[1:]))
     if not os.path.exists(a.vocab_file):
         raise SystemExit(f"--vocab-file {a.vocab_file}: no such file (a WordPiece vocab.txt)")
     if a.corpus and not os.path.exists(a.corpus):
@@ -240,6 +262,7 @@ def main() -> None:
         return
     trainers = comma_choices("--trainers", a.trainers, TRAINERS)
     shapes = comma_choices("--shapes", a.shapes, SHAPES)
+    variants = parse_variants(a.variant)
     t0 = time.time()
     data_prefix = a.data_prefix or prepare_bert_dataset(tempfile.mkdtemp(prefix="bench_bert_"), a.vocab_file,
                                                         source=a.corpus)
@@ -255,26 +278,32 @@ def main() -> None:
                         "padded_vocab": vocab}
     for shape_name in shapes:
         shape = dict(SHAPES[shape_name], micro_batch_size=a.micro_batch_size or SHAPES[shape_name]["micro_batch_size"])
-        for trainer in trainers:
-            key = f"{trainer}/{shape['num_layers']}x{shape['hidden_size']}"
-            print(f"== {key}, micro-batch {shape['micro_batch_size']}, {a.warmup} + {a.iters} iterations "
-                  f"({time.time() - t0:.0f} s since start)", flush=True)
+        runs = [(f"{t}[{label}]" if label else t, t, flags)
+                for t in trainers for label, flags in (variants if t == "ours-bert" else [("", "")])]
+        for number, (name, trainer, flags) in enumerate(runs, 1):
+            key = f"{name}/{shape['num_layers']}x{shape['hidden_size']}"
+            print(f"== [{number}/{len(runs)}] {key}, micro-batch {shape['micro_batch_size']}, {a.warmup} + {a.iters} "
+                  f"iterations{' with ' + flags if flags else ''} ({time.time() - t0:.0f} s since start)", flush=True)
             try:
-                res, cmd = run_ours(shape, a, data_prefix) if trainer == "ours-bert" else \
+                res, cmd = run_ours(shape, a, data_prefix, flags, name) if trainer == "ours-bert" else \
                     run_peer(shape_name, shape, a, data_prefix)
-                row = make_row(trainer, shape, res, cmd, vocab, a.bf16_peak_tflops)
+                row = make_row(name, shape, res, cmd, vocab, a.bf16_peak_tflops)
             except Exception as exc:  # keep measuring the others; the failure is recorded
                 print(f"!! {key} failed: {str(exc).splitlines()[0]}", flush=True)
                 extras["errors"][key] = str(exc)[-2000:]
             else:
                 extras["losses"][key] = res.get("losses")
+                if res.get("replay_ms"):  # --enable-cuda-graph: each timed replay's GPU time
+                    extras.setdefault("replay_ms", {})[key] = res["replay_ms"]
                 rows.append(row)
                 print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
                       f"MFU {100 * row['mfu']:.1f}% of the bf16 peak, peak {row['peak_mem_gib']} GiB", flush=True)
             merge_rows(out_json, meta, rows, extras)  # after every trainer: a later failure keeps these rows
-    by_trainer = {r["trainer"]: r["tokens_per_s"] for r in rows}
-    if len(by_trainer) == 2:
-        print(f"ours-bert / hf-bert tokens/s: {by_trainer['ours-bert'] / by_trainer['hf-bert']:.2f}x", flush=True)
+        peer = [r for r in rows if r["trainer"] == "hf-bert" and r["num_layers"] == shape["num_layers"]]
+        for r in rows:
+            if peer and r["trainer"].startswith("ours-bert") and r["num_layers"] == shape["num_layers"]:
+                print(f"{r['trainer']} / hf-bert tokens/s: {r['tokens_per_s'] / peer[0]['tokens_per_s']:.2f}x",
+                      flush=True)
     print(f"wrote {out_json} ({time.time() - t0:.0f} s)", flush=True)
     if extras["errors"]:
         raise SystemExit(f"failed rows: {', '.join(extras['errors'])}")

@@ -89,3 +89,16 @@ def test_a_failing_trainer_leaves_its_error_in_the_results(sentence_data, tmp_pa
     with open(tmp_path / "gpu_throughput.json") as f:
         results = json.load(f)
     assert results["rows"] == [] and "--no-such-flag" in results["extras"]["bert"]["errors"]["ours-bert/2x64"]
+
+
+def test_variants_name_the_rows_and_bad_ones_are_one_line():
+    bench, _ = _bench()
+    assert bench.parse_variants([]) == [("", "")]
+    assert bench.parse_variants(["eager:", "graph:--enable-cuda-graph --cuda-graph-warmup-steps 2"]) == [
+        ("eager", ""), ("graph", "--enable-cuda-graph --cuda-graph-warmup-steps 2")]
+    with pytest.raises(SystemExit, match="non-empty LABEL"):
+        bench.parse_variants([":--enable-cuda-graph"])
+    with pytest.raises(SystemExit, match="each LABEL once, got a, a"):
+        bench.parse_variants(["a:", "a:--clip-grad 0"])
+    cmd = bench.ours_command(bench.SHAPES["tiny"], 2, 1, "PREFIX", "VOCAB", "--enable-cuda-graph")
+    assert cmd[-1] == "--enable-cuda-graph" and cmd[4].endswith("pretrain_bert.py")

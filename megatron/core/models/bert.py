@@ -171,28 +171,32 @@ class BertModel(nn.Module):
         return weight if weight is not None else self.embedding.word_embeddings.weight
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 tokentype_ids: Optional[torch.Tensor] = None, lm_labels: Optional[torch.Tensor] = None,
-                lm_loss_mask: Optional[torch.Tensor] = None):
+                lm_loss_mask: Optional[torch.Tensor] = None, max_masked_positions: Optional[int] = None):
         """``input_ids``, ``tokentype_ids``, ``lm_labels`` ``[b, s]``; ``attention_mask`` ``[b, s]``, 1 for a token
-        and 0 for padding (the dataset's ``padding_mask``). Every pipeline stage needs ``attention_mask``.
+        and 0 for padding (the dataset's ``padding_mask``), or None for a batch known to have no padding (attention
+        then runs without a mask, and SDPA may pick its FlashAttention kernel). Every pipeline stage needs the
+        same ``attention_mask``. The model never reads device values on the host, so its step can be captured
+        in a CUDA graph: the caller decides whether to pass the mask (``bert_loss.get_bert_batch``).
 
         Returns the encoder output ``[s(/tp), b, h]`` on a stage without ``post_process``; otherwise
         ``(logits [b, s, V/tp], binary_logits [b, 2] or None)`` without labels and
         ``(per-token loss [b, s] fp32, binary_logits)`` with them (labels outside the vocabulary, e.g. -1 at
         unmasked positions, give a finite loss that the loss mask removes).
 
-        ``lm_loss_mask`` ``[b, s]`` (with ``lm_labels``): the vocabulary projection and the cross-entropy run on the
-        positions where it is nonzero only (the masked tokens, ~15%), and the per-token loss is 0 elsewhere. The
-        loss over those positions is the same; the largest GEMM and the fp32 softmax buffer shrink to their size.
+        ``lm_loss_mask`` ``[b, s]`` with ``max_masked_positions`` ``k`` (with ``lm_labels``): the vocabulary
+        projection and the cross-entropy run on ``k`` positions per sample only, the masked ones first (the
+        dataset masks at most ``k``: ``bert_loss.max_masked_positions``), and the per-token loss is 0 at every
+        unmasked position. The loss over the masked positions is the same; the largest GEMM and the fp32 softmax
+        buffer shrink from ``s`` to ``k`` rows per sample, with shapes fixed by ``k`` alone.
         """
-        b, s = attention_mask.shape
-        padding = (attention_mask < 0.5).view(b, 1, 1, s)  # [b, 1, 1, s], True = masked out
-        if not bool(padding.any()):
-            # no padded key in the batch: attention without a mask is the same, and SDPA may then pick its
-            # FlashAttention kernel (with a mask it takes the slower memory-efficient one)
-            padding = None
+        padding = None
+        if attention_mask is not None:
+            b, s = attention_mask.shape
+            padding = (attention_mask < 0.5).view(b, 1, 1, s)  # [b, 1, 1, s], True = masked out
         if self.pre_process:
+            s = input_ids.shape[1]
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand_as(input_ids)  # [b, s]
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)  # [s(/tp), b, h]
         else:
@@ -203,10 +207,11 @@ class BertModel(nn.Module):
         if not self.post_process:
             return hidden
         binary_logits = self.binary_head(self.pooler(hidden)) if self.add_binary_head else None  # [b, 2]
-        return self._lm_output(self.lm_head(hidden), lm_labels, lm_loss_mask), binary_logits
+        lm = self._lm_output(self.lm_head(hidden), lm_labels, lm_loss_mask, max_masked_positions)
+        return lm, binary_logits
 
     def _lm_output(self, hidden: torch.Tensor, labels: Optional[torch.Tensor],
-                   loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   loss_mask: Optional[torch.Tensor] = None, max_masked: Optional[int] = None) -> torch.Tensor:
         tp_group = self.pstate.tp_group
         if self.config.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tp_group)  # [s, b, h]
@@ -214,7 +219,11 @@ class BertModel(nn.Module):
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, tp_group)
         weight, bias = self.output_weight(), self.output_layer.bias
         if labels is not None and loss_mask is not None:
-            return self._masked_lm_loss(hidden, weight, bias, labels, loss_mask)
+            if max_masked is None:
+                raise ValueError("the masked-LM loss over lm_loss_mask needs max_masked_positions (the dataset's "
+                                 "bound on masked positions per sample, bert_loss.max_masked_positions)")
+            if max_masked < hidden.shape[0]:
+                return self._masked_lm_loss(hidden, weight, bias, labels, loss_mask, max_masked)
         if labels is not None and self.config.gradient_accumulation_fusion:
             logits = linear_with_grad_accumulation_fusion(hidden, weight, bias)  # [s, b, V/tp]
         else:
@@ -222,22 +231,34 @@ class BertModel(nn.Module):
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t(), tp_group)  # [s, b]
+        if loss_mask is not None:  # every position projected (k >= s): still 0 where unmasked
+            loss = torch.where(loss_mask.t() != 0, loss, 0.0)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
     def _masked_lm_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                        labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """Per-token loss ``[b, s]`` computed at the positions of ``loss_mask`` only (0 elsewhere)."""
+                        labels: torch.Tensor, loss_mask: torch.Tensor, k: int) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` from ``k`` selected positions per sample (0 at every unmasked position).
+
+        A stable descending sort of ``loss_mask != 0`` puts each sample's masked positions first, in position
+        order; its first ``k`` entries are the selection. Every shape depends on ``k`` only, nothing is read on the
+        host, and slots beyond a sample's masked count (unmasked positions) get weight 0.
+        """
         s, b, h = hidden.shape
-        keep = loss_mask.t().reshape(-1).nonzero().squeeze(1)  # [n] indices into s*b (same on every TP rank)
-        picked = hidden.reshape(s * b, h).index_select(0, keep).unsqueeze(1)  # [n, 1, h]
+        keep = loss_mask != 0  # [b, s]
+        order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices  # [b, s]
+        order = order[:, :k].contiguous()  # [b, k] (a copy: the scatter's backward keeps k indices, not s)
+        selected = keep.gather(1, order).t()  # [k, b], False in the unused slots
+        rows = order.t() * b + torch.arange(b, device=order.device)  # [k, b] row of (position, sample) in s*b
+        picked = hidden.reshape(s * b, h).index_select(0, rows.reshape(-1)).view(k, b, h)  # [k, b, h]
         if self.config.gradient_accumulation_fusion:
-            logits = linear_with_grad_accumulation_fusion(picked, weight, bias)  # [n, 1, V/tp]
+            logits = linear_with_grad_accumulation_fusion(picked, weight, bias)  # [k, b, V/tp]
         else:
-            logits = F.linear(picked, weight, bias)  # [n, 1, V/tp]
-        target = labels.t().reshape(-1).index_select(0, keep).unsqueeze(1)  # [n, 1]
-        picked_loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target, self.pstate.tp_group)  # [n, 1]
-        loss = picked_loss.new_zeros(s * b).index_copy(0, keep, picked_loss.squeeze(1))  # [s*b]
-        return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]
+            logits = F.linear(picked, weight, bias)  # [k, b, V/tp]
+        target = labels.t().gather(0, order.t())  # [k, b]
+        picked_loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target, self.pstate.tp_group)  # [k, b]
+        picked_loss = torch.where(selected, picked_loss, 0.0)  # [k, b]
+        loss = picked_loss.new_zeros(b, s).scatter(1, order, picked_loss.t())  # [b, s]
+        return loss
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ predicts the next sentence instead of the order); without the binary head the lo
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Dict, Optional, Tuple
 
@@ -39,11 +40,36 @@ def bert_loss_func(loss_mask: torch.Tensor, sentence_order: Optional[torch.Tenso
     return lm_loss + binary_loss, {"lm loss": lm_loss.detach(), binary_loss_name: binary_loss.detach()}
 
 
-def get_bert_batch(data_iterator, pstate: ParallelState) -> Dict[str, torch.Tensor]:
+def max_masked_positions(mask_prob: float, seq_length: int) -> int:
+    """The most positions the masked-LM datasets mask in one sample of ``seq_length`` tokens: the masking budget
+    is at most ``mask_prob * target_length`` (``datasets/masking.py``) with ``target_length <= seq_length``, so
+    ``floor(mask_prob * seq_length)`` bounds every sample (at least 1). The model projects this many positions per
+    sample onto the vocabulary, whatever the sample."""
+    return max(1, min(seq_length, math.floor(mask_prob * seq_length)))
+
+
+def _check_masked_count(loss_mask: torch.Tensor, limit: Optional[int]) -> None:
+    """A host-side check of a loader batch (no device read): no sample masks more than ``limit`` positions."""
+    if limit is None or loss_mask.is_cuda:
+        return
+    most = int((loss_mask != 0).sum(dim=-1).max()) if loss_mask.numel() else 0
+    if most > limit:
+        raise ValueError(f"a BERT sample masks {most} positions, more than the {limit} the model projects per sample "
+                         "(floor(--mask-prob x --seq-length)); the data was masked with a larger --mask-prob")
+
+
+def get_bert_batch(data_iterator, pstate: ParallelState, max_masked: Optional[int] = None,
+                   capturable: bool = False) -> Dict[str, Optional[torch.Tensor]]:
     """The next batch's fields (``BERT_BATCH_KEYS``, int64 ``[b, s]``, ``is_random`` ``[b]``) on every rank of the
     TP group: TP rank 0 reads the iterator, the others receive. Every pipeline stage calls it (every stage's
-    attention needs the padding mask)."""
-    data = None
+    attention needs the padding mask).
+
+    ``attention_mask`` is added: the ``padding_mask`` to pass to the model, or None when the batch has no padding.
+    That is decided on the host from the loader's CPU tensors, never by reading the device; with ``capturable``
+    (the step is captured in a CUDA graph, whose later batches may be padded) or device-resident input it is
+    always the mask. ``max_masked``: the model's positions per sample; a CPU batch that masks more is an error.
+    """
+    data, no_padding = None, False
     if pstate.tp_rank == 0:
         sample = next(data_iterator)
         missing = [k for k in BERT_BATCH_KEYS if k not in sample]
@@ -51,19 +77,36 @@ def get_bert_batch(data_iterator, pstate: ParallelState) -> Dict[str, torch.Tens
             raise ValueError(f"a BERT batch needs the fields {', '.join(BERT_BATCH_KEYS)}; missing "
                              f"{', '.join(missing)} (is the data a BERT masked-LM dataset?)")
         data = {k: torch.as_tensor(sample[k]).long() for k in BERT_BATCH_KEYS}
-    batch = tensor_parallel.broadcast_data(list(BERT_BATCH_KEYS), data, torch.int64, pstate)
-    return {k: v.to(default_device(), non_blocking=True) for k, v in batch.items()}
+        _check_masked_count(data["loss_mask"], max_masked)
+        padding = data["padding_mask"]
+        no_padding = not capturable and not padding.is_cuda and not bool((padding < 1).any())
+    if pstate.tp_size > 1:  # the TP group follows rank 0's choice: it is part of the broadcast batch
+        if pstate.tp_rank == 0:
+            data["no_padding"] = torch.tensor([int(no_padding)])
+        batch = tensor_parallel.broadcast_data([*BERT_BATCH_KEYS, "no_padding"], data, torch.int64, pstate)
+        no_padding = bool(batch.pop("no_padding").item())  # the broadcast already read its header on the host
+    else:
+        batch = tensor_parallel.broadcast_data(list(BERT_BATCH_KEYS), data, torch.int64, pstate)
+    out = {k: v.to(default_device(), non_blocking=True) for k, v in batch.items()}
+    out["attention_mask"] = None if no_padding else out["padding_mask"]
+    return out
 
 
-def make_bert_forward_step(pstate: ParallelState, binary_loss_name: str = "sop loss"):
-    """A ``forward_step_func(data_iterator, model) -> (output, loss_func)`` for the pipeline schedules."""
+def make_bert_forward_step(pstate: ParallelState, binary_loss_name: str = "sop loss",
+                           max_masked: Optional[int] = None, capturable: bool = False):
+    """A ``forward_step_func(data_iterator, model) -> (output, loss_func)`` for the pipeline schedules.
+
+    ``max_masked``: positions per sample projected onto the vocabulary (``max_masked_positions`` of the run's
+    masking); None projects every position. ``capturable``: see ``get_bert_batch``.
+    """
 
     def forward_step(data_iterator, model):
         inner = getattr(model, "module", model)
-        batch = get_bert_batch(data_iterator, pstate)
-        labels = batch["labels"] if inner.post_process else None
-        output = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=labels,
-                       lm_loss_mask=batch["loss_mask"] if inner.post_process else None)
+        batch = get_bert_batch(data_iterator, pstate, max_masked, capturable)
+        post = inner.post_process
+        output = model(batch["text"], batch["attention_mask"], tokentype_ids=batch["types"],
+                       lm_labels=batch["labels"] if post else None, lm_loss_mask=batch["loss_mask"] if post else None,
+                       max_masked_positions=max_masked if max_masked is not None else batch["text"].shape[1])
         return output, partial(bert_loss_func, batch["loss_mask"], batch["is_random"],
                                binary_loss_name=binary_loss_name)
 

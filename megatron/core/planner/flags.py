@@ -45,6 +45,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="hidden dropout (default 0.1; > 0 keeps two masks per layer)")
     g.add_argument("--bert-no-binary-head", action="store_true",
                    help="BERT without the pooler, binary head and token-type embeddings")
+    g.add_argument("--mask-prob", type=float, default=0.15,
+                   help="BERT: fraction of positions masked (default 0.15); the masked-LM head projects "
+                        "floor(mask-prob x seq-length) positions per sample onto the vocabulary")
     g.add_argument("--global-batch-size", type=int, required=True, help="sequences per iteration")
 
 
@@ -111,7 +114,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       position_embedding_type=args.position_embedding_type,
                       attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                       bert_binary_head=not args.bert_no_binary_head,
-                      num_tokentypes=0 if args.bert_no_binary_head else 2)
+                      num_tokentypes=0 if args.bert_no_binary_head else 2, mask_prob=args.mask_prob)
 
 
 def precision_of(args: argparse.Namespace) -> str:
@@ -186,7 +189,7 @@ def planner_argv(trainer: argparse.Namespace, vocab_size: Optional[int] = None) 
                        ("--recompute-num-layers", "recompute_num_layers"), ("--fp8-format", "fp8_format"),
                        ("--ddp-bucket-size", "ddp_bucket_size"), ("--optimizer", "optimizer"),
                        ("--attention-backend", "attention_backend"),
-                       ("--position-embedding-type", "position_embedding_type")):
+                       ("--position-embedding-type", "position_embedding_type"), ("--mask-prob", "mask_prob")):
         add(flag, getattr(t, name, None))
     add("--vocab-size", vocab_size)
     if getattr(t, "recompute_modules", None):

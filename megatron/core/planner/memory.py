@@ -170,24 +170,26 @@ def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkA
         kept += s * b * h / sp_div  # embedding dropout mask (1 byte)
     if chunk.post:
         v = shape.padded_vocab(t)
+        rows = shape.lm_positions * b  # positions projected onto the vocabulary (BERT: the masked-LM selection)
         sbh, ln_stats = s * b * h, 2 * act * s * b / sp_div  # one LayerNorm's mean and rstd
         if shape.model == "bert":
             # final LayerNorm input and output (the LM-head dense input), the dense output and the GeLU output,
-            # on this rank's sequence slice, both LayerNorms' statistics, and the head LayerNorm output: the
-            # vocabulary GEMM's input, gathered to the whole sequence under SP
-            kept += 4 * act * sbh / sp_div + 2 * ln_stats + act * sbh
+            # on this rank's sequence slice, and both LayerNorms' statistics; the vocabulary GEMM's input is the
+            # selected rows only, with the selection's int64 row indices (index_select), int64 positions
+            # (scatter back to [b, s]) and 1-byte used-slot mask
+            kept += 4 * act * sbh / sp_div + 2 * ln_stats + act * rows * h + 17 * rows
             if shape.bert_binary_head:  # the pooler's tanh output [b, h]; under SP it keeps the gathered input
                 kept += act * b * h + (act * sbh if layout.sp else 0)
         else:  # final LayerNorm input and statistics; its output gathered for the GEMM
             kept += act * sbh / sp_div + ln_stats + act * sbh
-        logits = act * s * b * v / t  # BERT: every position's logits, not only the masked ones
+        logits = act * rows * v / t
         fused = layout.cross_entropy_fusion and t == 1 and shape.model == "gpt"
         # the eager vocab-parallel loss (BERT's always) keeps one fp32 copy of the local logits (softmax, then
         # its gradient in place) and casts the gradient back, and keeps its int64 local targets and a 1-byte
         # outside-this-shard mask; the fused loss (GPT, TP 1) writes the gradient into the logits
         if not fused:
-            kept += 9 * s * b
-        transient = max(transient, logits + (0 if fused else 4 * s * b * v / t))
+            kept += 9 * rows
+        transient = max(transient, logits + (0 if fused else 4 * rows * v / t))
     return ChunkActivations(kept, transient)
 
 

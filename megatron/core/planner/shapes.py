@@ -10,6 +10,7 @@ follows from that order.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -26,7 +27,8 @@ class ModelShape:
     num_layers, hidden_size, ffn_hidden_size (default 4h), num_attention_heads, seq_length,
     max_position_embeddings (default seq_length), vocab_size (the tokenizer's, padded to a multiple of
     make_vocab_size_divisible_by x TP), untie_embeddings_and_output_weights, position_embedding_type
-    (``learned_absolute`` holds a [max_pos, h] table; ``rope`` none), attention_dropout, hidden_dropout.
+    (``learned_absolute`` holds a [max_pos, h] table; ``rope`` none), attention_dropout, hidden_dropout, and for
+    BERT mask_prob (the masked-LM head projects ``lm_positions`` positions per sample, not all of them).
     """
 
     num_layers: int
@@ -44,6 +46,7 @@ class ModelShape:
     hidden_dropout: float = 0.1
     num_tokentypes: int = 2  # BERT only
     bert_binary_head: bool = True  # BERT only: the pooler and the 2-way sentence-order head
+    mask_prob: float = 0.15  # BERT only: fixes how many positions per sample reach the vocabulary (lm_positions)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -58,6 +61,8 @@ class ModelShape:
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             raise ValueError(f"--position-embedding-type must be learned_absolute or rope, "
                              f"got {self.position_embedding_type!r}")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ValueError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
         if self.seq_length > self.max_pos:
             raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings ({self.max_pos})")
 
@@ -68,6 +73,14 @@ class ModelShape:
     @property
     def max_pos(self) -> int:
         return self.max_position_embeddings or self.seq_length
+
+    @property
+    def lm_positions(self) -> int:
+        """Positions per sample projected onto the vocabulary: every one for GPT; for BERT the static count the
+        masked-LM head selects, ``floor(mask_prob x seq_length)`` (at least 1), the most a sample masks."""
+        if self.model != "bert":
+            return self.seq_length
+        return max(1, min(self.seq_length, math.floor(self.mask_prob * self.seq_length)))
 
     @property
     def tied(self) -> bool:

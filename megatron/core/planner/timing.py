@@ -176,9 +176,10 @@ def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, c
         ew += 8 * tokens * h / ew_rate
     if chunk.post:
         v = shape.padded_vocab(t)
-        gemm += 3 * gemm_seconds(cal, tokens, v // t, h, "bf16" if prec == "fp8" else prec)
+        rows = shape.lm_positions * b  # BERT: the masked-LM head projects only its selected positions
+        gemm += 3 * gemm_seconds(cal, rows, v // t, h, "bf16" if prec == "fp8" else prec)
         fused = layout.cross_entropy_fusion and t == 1 and shape.model == "gpt"  # BERT: the eager loss
-        ew += (4 if fused else 28) * tokens * v / t / ew_rate
+        ew += (4 if fused else 28) * rows * v / t / ew_rate
         ew += (4 + 8) * act / 2 * tokens * h / sp_div / ew_rate  # final LayerNorm forward and backward
         if shape.model == "bert":  # LM-head transform: dense h x h, GeLU and LayerNorm, forward and backward
             gemm += 3 * gemm_seconds(cal, tokens, h, h, "bf16" if prec == "fp8" else prec)

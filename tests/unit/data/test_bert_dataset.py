@@ -269,3 +269,28 @@ def test_rank0_builds_others_mmap(prefixes, tmp_path):
 
     run_distributed(_dist_build, 2, (prefixes["S"], str(tmp_path / "cache")))
     assert [f.endswith("-sample_index.npy") for f in os.listdir(tmp_path / "cache")].count(True) == 3  # train, valid, test
+
+
+@pytest.mark.parametrize("mask_prob", [0.15, 0.4])
+def test_masked_positions_stay_within_the_model_bound(prefixes, mask_prob):
+    """The model projects ``max_masked_positions(--mask-prob, --seq-length)`` positions per sample: no sample of
+    the real dataset (with and without the binary head, short targets included) or of ``--mock-data`` masks more,
+    and the bound is reached (it is not loose)."""
+    from dataclasses import replace
+
+    from megatron.core.models.bert_loss import max_masked_positions
+    from megatron.training.mock_bert_data import mock_bert_datasets
+
+    most = {}
+    for name in ("binary_head", "no_binary_head_ngrams"):
+        c = dict(CONFIGS[name], mask_prob=mask_prob)
+        data_path = [prefixes.get(x, x) for x in c["data_path"]]
+        config = _config(c)
+        limit = max_masked_positions(mask_prob, c["seq_length"])
+        datasets = build_bert_datasets(data_path, c["split"], config, c["sizes"])
+        mock = mock_bert_datasets([200, 0, 0], replace(config, seed=3))
+        for kind, ds in (("data", datasets[0]), ("mock", mock[0])):
+            counts = [int(ds[i]["loss_mask"].sum()) for i in range(len(ds))]
+            assert max(counts) <= limit, (name, kind, max(counts), limit)
+            most[(name, kind)] = (max(counts), limit)
+    assert any(count == limit for count, limit in most.values()), most

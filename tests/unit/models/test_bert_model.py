@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megatron.core.models.bert import BertModel, initialize_bert_parameters
 from megatron.core.models.bert_hf_mapping import hf_to_megatron_bert, is_post_ln_checkpoint, megatron_to_hf_bert
-from megatron.core.models.bert_loss import bert_loss_func, make_bert_forward_step
+from megatron.core.models.bert_loss import bert_loss_func, get_bert_batch, make_bert_forward_step, max_masked_positions
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.core.transformer.config import TransformerConfig
@@ -170,46 +170,108 @@ def test_without_binary_head_the_loss_is_the_mlm_loss():
     torch.testing.assert_close(loss, F.cross_entropy(logits[sel], labels[sel]), rtol=1e-5, atol=1e-6)
 
 
-def test_a_batch_without_padding_runs_attention_without_a_mask():
+def _sample(ids, types, padding, labels, is_random=(0, 1, 1)):
+    return dict(text=ids, types=types, labels=labels, is_random=torch.tensor(is_random),
+                loss_mask=(labels >= 0).long(), padding_mask=padding)
+
+
+def test_the_attention_mask_is_decided_on_the_host():
+    """A loader batch without padding runs attention without a mask (SDPA may then take its flash kernel), which
+    gives the same outputs; a padded batch, or any batch of a captured step, passes the padding mask."""
     ps = ParallelState.single()
     cfg = _config()
     model = BertModel(cfg, ps).eval()
     initialize_bert_parameters(model, 3, cfg, ps)
-    ids, types, _ = _batch()
+    ids, types, padding = _batch()
+    labels = torch.full_like(ids, -1)
     full = torch.ones_like(ids)
+    assert get_bert_batch(iter([_sample(ids, types, full, labels)]), ps)["attention_mask"] is None
+    captured = get_bert_batch(iter([_sample(ids, types, full, labels)]), ps, capturable=True)["attention_mask"]
+    assert torch.equal(captured, full)
+    padded = get_bert_batch(iter([_sample(ids, types, padding, labels)]), ps)["attention_mask"]
+    assert torch.equal(padded, padding)
     seen = []
     model.encoder.register_forward_pre_hook(lambda m, args: seen.append(args[1]))
     with torch.no_grad():
-        logits, binary = model(ids, full, tokentype_ids=types)
-        explicit = full.new_zeros(full.shape).bool().view(3, 1, 1, SEQ)  # [b, 1, 1, s], nothing masked
-        hidden = model.encoder(model.embedding(ids, torch.arange(SEQ).expand_as(ids), types), explicit)
-    assert seen[0] is None
-    torch.testing.assert_close(binary, model.binary_head(model.pooler(hidden)), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(logits, model._lm_output(model.lm_head(hidden), None), rtol=1e-6, atol=1e-6)
+        logits, binary = model(ids, None, tokentype_ids=types)
+        masked_logits, masked_binary = model(ids, full, tokentype_ids=types)
+    assert seen[0] is None and seen[1] is not None and not bool(seen[1].any())
+    torch.testing.assert_close(binary, masked_binary, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits, masked_logits, rtol=1e-6, atol=1e-6)
 
 
-def test_masked_positions_only_loss_equals_full_loss_and_gradients():
+def _nonzero_reference(model, ids, types, padding, labels, loss_mask):
+    """The projection of the masked positions found with ``nonzero()`` (a host read): per-token loss ``[b, s]``
+    and binary logits, written independently of the model's static selection."""
+    b, s = ids.shape
+    hidden = model.encoder(model.embedding(ids, torch.arange(s).expand_as(ids), types),
+                           (padding < 0.5).view(b, 1, 1, s))  # [s, b, h]
+    head = model.lm_head(hidden)  # [s, b, h]
+    keep = loss_mask.t().reshape(-1).nonzero().squeeze(1)  # [n] rows of s*b
+    logits = F.linear(head.reshape(s * b, -1).index_select(0, keep), model.output_weight(),
+                      model.output_layer.bias)  # [n, V]
+    picked = F.cross_entropy(logits.float(), labels.t().reshape(-1).index_select(0, keep), reduction="none")
+    per_token = picked.new_zeros(s * b).index_copy(0, keep, picked).view(s, b).t()  # [b, s]
+    return per_token, model.binary_head(model.pooler(hidden))
+
+
+def test_static_selection_equals_nonzero_and_full_vocabulary_losses_and_gradients():
+    """k positions per sample chosen by a sort of the loss mask (no host read) give the loss and every gradient
+    of the nonzero() selection and of the full-vocabulary loss over all positions weighted by the loss mask;
+    samples with fewer masked positions than k (one with none) fill the slots with weight-0 positions."""
     ps = ParallelState.single()
     cfg = _config()
     model = BertModel(cfg, ps)
     initialize_bert_parameters(model, 7, cfg, ps)
     ids, types, padding = _batch()
     loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(4)) < 0.2).long() * padding
+    loss_mask[2] = 0  # a sample with nothing masked
+    loss_mask[1, :2] = 1
+    loss_mask[1, 7] = 1
+    k = int(loss_mask.sum(1).max())
+    assert 0 < k < SEQ // 2 and int(loss_mask[0].sum()) != int(loss_mask[1].sum())
     labels = ids.masked_fill(loss_mask == 0, -1)
-    results = []
-    for mask in (None, loss_mask):
+    is_random = torch.tensor([0, 1, 1])
+    runs = {"full": dict(), "static": dict(lm_loss_mask=loss_mask, max_masked_positions=k),
+            "static+2": dict(lm_loss_mask=loss_mask, max_masked_positions=k + 2), "nonzero": None}
+    results = {}
+    for name, kw in runs.items():
         model.zero_grad(set_to_none=True)
-        lm, binary = model(ids, padding, tokentype_ids=types, lm_labels=labels, lm_loss_mask=mask)
-        loss, _ = bert_loss_func(loss_mask, torch.tensor([0, 1, 1]), (lm, binary))
+        if kw is None:
+            lm, binary = _nonzero_reference(model, ids, types, padding, labels, loss_mask)
+        else:
+            lm, binary = model(ids, padding, tokentype_ids=types, lm_labels=labels, **kw)
+        loss, _ = bert_loss_func(loss_mask, is_random, (lm, binary))
         loss.backward()
-        results.append((lm.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (full, full_loss, full_grads), (picked, picked_loss, picked_grads) = results
-    assert picked.shape == full.shape and 0 < int(loss_mask.sum()) < loss_mask.numel() // 2
-    torch.testing.assert_close(picked[loss_mask.bool()], full[loss_mask.bool()], rtol=1e-6, atol=1e-6)
-    assert torch.count_nonzero(picked[~loss_mask.bool()]) == 0
-    torch.testing.assert_close(picked_loss, full_loss, rtol=1e-6, atol=1e-6)
-    for name, grad in full_grads.items():
-        torch.testing.assert_close(picked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        results[name] = (lm.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    full, full_loss, full_grads = results["full"]
+    for name in ("static", "static+2", "nonzero"):
+        picked, picked_loss, picked_grads = results[name]
+        assert picked.shape == full.shape
+        assert torch.count_nonzero(picked[~loss_mask.bool()]) == 0, name
+        torch.testing.assert_close(picked[loss_mask.bool()], full[loss_mask.bool()], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(picked_loss, full_loss, rtol=1e-6, atol=1e-6)
+        for pname, grad in full_grads.items():
+            torch.testing.assert_close(picked_grads[pname], grad, rtol=1e-5, atol=1e-7, msg=f"{name} {pname}")
+    # the static selection against the nonzero() one: the same rows, so the same numbers to 1e-6
+    static, nonzero = results["static"], results["nonzero"]
+    torch.testing.assert_close(static[0], nonzero[0], rtol=1e-6, atol=1e-6)
+    for pname, grad in nonzero[2].items():
+        torch.testing.assert_close(static[2][pname], grad, rtol=1e-6, atol=1e-7, msg=pname)
+
+
+def test_masked_loss_needs_the_bound_and_the_loader_batch_respects_it():
+    ps = ParallelState.single()
+    cfg = _config()
+    model = BertModel(cfg, ps)
+    ids, types, padding = _batch()
+    labels = torch.where(torch.arange(SEQ) % 4 == 1, ids, -1)
+    with pytest.raises(ValueError, match="needs max_masked_positions"):
+        model(ids, padding, tokentype_ids=types, lm_labels=labels, lm_loss_mask=(labels >= 0).long())
+    with pytest.raises(ValueError, match="masks 4 positions, more than the 3 the model projects"):
+        make_bert_forward_step(ps, max_masked=3)(iter([_sample(ids, types, padding, labels)]), model)
+    assert max_masked_positions(0.15, 512) == 76 and max_masked_positions(0.15, 20) == 3
+    assert max_masked_positions(0.01, 16) == 1 and max_masked_positions(0.99, 4) == 3
 
 
 @pytest.mark.parametrize("granularity,method", [("selective", None), ("full", "uniform"), ("full", "block")])
@@ -250,7 +312,7 @@ def test_forward_step_reads_megatron_fields_and_names_missing_ones():
     labels = torch.where(torch.arange(SEQ) % 3 == 1, ids, -1)
     sample = dict(text=ids, types=types, labels=labels, is_random=torch.tensor([1, 0, 1]),
                   loss_mask=(labels >= 0).long(), padding_mask=padding)
-    output, loss_func = make_bert_forward_step(ps, binary_loss_name="nsp loss")(iter([sample]), model)
+    output, loss_func = make_bert_forward_step(ps, binary_loss_name="nsp loss", max_masked=6)(iter([sample]), model)
     loss, report = loss_func(output)
     assert set(report) == {"lm loss", "nsp loss"}
     # the forward step projects the masked positions only; the loss over every position agrees

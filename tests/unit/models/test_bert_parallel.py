@@ -1,5 +1,6 @@
 """BERT under TP (± SP), PP (1F1B and interleaved) and TP×PP against one process: same seed, same full weights,
-so the per-microbatch ``lm loss`` / ``sop loss`` and every gradient must agree (fp32, dropout off).
+so the per-microbatch ``lm loss`` / ``sop loss`` and every gradient must agree (fp32, dropout off). The layouts
+project only a static number of positions per sample onto the vocabulary; the reference projects every position.
 
 Each layout runs the real pipeline schedules with the BERT forward step and loss, and ``finalize_model_grads``
 (sequence-parallel and tied-embedding sums); the reference is the unsharded model run without pipelining.
@@ -42,7 +43,15 @@ def _batches():
     return out
 
 
+def _max_masked() -> int:
+    """The static number of projected positions: the most any sample masks (others fill slots with weight 0)."""
+    k = max(int(b["loss_mask"].sum(1).max()) for b in _batches())
+    assert k < SEQ
+    return k
+
+
 def _reference(cfg):
+    """The unsharded model projecting every position (the full-vocabulary loss weighted by the loss mask)."""
     single = ParallelState.single()
     model = BertModel(cfg, single)
     initialize_bert_parameters(model, 21, cfg, single)
@@ -65,7 +74,8 @@ def _layout(pstate, sp=False, post_ln=False):
         chunks.append(model)
     fb = get_forward_backward_func(pstate)
     batches = _batches()
-    stats = fb(make_bert_forward_step(pstate), [iter(batches) for _ in chunks], chunks if vpp > 1 else chunks[0],
+    step = make_bert_forward_step(pstate, max_masked=_max_masked())  # the static selection of the masked positions
+    stats = fb(step, [iter(batches) for _ in chunks], chunks if vpp > 1 else chunks[0],
                MICROBATCHES, SEQ, MBS, H, torch.float32, pstate, sequence_parallel=sp,
                finalize_grads_func=lambda c: finalize_model_grads(c, pstate))
     where = f"tp{pstate.tp_size} pp{pstate.pp_size} vpp{vpp} sp={sp} post_ln={post_ln}"

@@ -110,6 +110,7 @@ def test_in_flight_microbatches_follow_the_schedule():
 def _bert_head_saved_and_predicted(pstate, sp: bool):
     """(bytes autograd saves in BERT's last stage outside the layers, the planner's kept + loss-buffer bytes)."""
     from megatron.core.models.bert import BertModel
+    from megatron.core.models.bert_loss import max_masked_positions
     from megatron.core.planner.memory import chunk_activations
     from megatron.core.planner.shapes import Chunk
 
@@ -132,23 +133,31 @@ def _bert_head_saved_and_predicted(pstate, sp: bool):
         return x
 
     x = torch.randn(S // t if sp else S, B, h, dtype=torch.bfloat16, requires_grad=True)  # the last layer's output
+    shape = ModelShape(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=S, model="bert", vocab_size=v,
+                       attention_dropout=0.0, hidden_dropout=0.0, mask_prob=0.2)
+    k = shape.lm_positions  # the masked-LM head's static positions per sample
+    assert k == max_masked_positions(0.2, S) == 12
     labels = torch.randint(0, v, (B, S))
+    loss_mask = torch.zeros(B, S, dtype=torch.long)
+    loss_mask[0, torch.randperm(S, generator=torch.Generator().manual_seed(1))[:k]] = 1  # k masked
+    loss_mask[1, 3:8] = 1  # fewer: the rest of its slots have weight 0
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         hidden = model.encoder.final_layernorm(x)
-        loss, binary = model._lm_output(model.lm_head(hidden), labels), model.binary_head(model.pooler(hidden))
+        loss = model._lm_output(model.lm_head(hidden), labels, loss_mask, k)
+        binary = model.binary_head(model.pooler(hidden))
     (loss.sum() + binary.float().sum()).backward()
-    shape = ModelShape(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=S, model="bert", vocab_size=v,
-                       attention_dropout=0.0, hidden_dropout=0.0)
     layout = Layout(tp=t, sp=sp, micro_batch_size=B, cross_entropy_fusion=True)  # BERT: the eager loss regardless
     acts = chunk_activations(shape, layout, Chunk(0, pre=False, post=True))
-    fp32_logits = 4 * S * B * v // t
-    assert acts.transient == 2 * S * B * v // t + fp32_logits
+    fp32_logits = 4 * k * B * v // t
+    # the selected rows' logits and their fp32 copy, or half a layer's activations (its gradients) if larger
+    assert acts.transient == max(2 * k * B * v // t + fp32_logits, 0.5 * layer_activation_bytes(shape, layout, "none"))
     return sum(seen.values()), acts.kept + fp32_logits
 
 
 def test_bert_head_bytes_match_autograd():
-    """BERT's last stage outside the layers: final LayerNorm, LM-head transform, every position's logits with the
-    eager loss's fp32 copy, pooler and binary head; the planner's bytes against what autograd keeps."""
+    """BERT's last stage outside the layers: final LayerNorm, LM-head transform, the logits of the selected
+    positions with the eager loss's fp32 copy, pooler and binary head; the planner's bytes against what autograd
+    keeps."""
     saved, predicted = _bert_head_saved_and_predicted(ParallelState.single(), sp=False)
     assert saved == predicted
 
