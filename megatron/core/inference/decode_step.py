@@ -105,8 +105,12 @@ class StaticDecodeStep:
                 self._run()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: only this thread's calls are checked during the capture; other threads (a server's
-        # connection handlers) go on
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            self.logits = self._run()
+        try:
+            # thread_local: only this thread's calls are checked during the capture; other threads (a server's
+            # connection handlers) go on
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self.logits = self._run()
+        except RuntimeError as exc:
+            raise RuntimeError(f"capturing the decoding step in a CUDA graph failed: {exc} (use_cuda_graph=False, "
+                               "or --no-cuda-graph in the tools, runs the step eagerly)") from exc
         self.graph = graph
