@@ -24,7 +24,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # 128 positions: a call of at most 64 positions uses a 64-position step, a longer one a 128-position step
 ARGS = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=128, seq_length=128)
 PROMPT_LENGTHS = [3, 17, 9, 1]
-BF16_TOL = 0.15  # log-prob units: bf16 rounding of the logits (|logit| up to ~10) and of the attention
+# log-prob units: bf16 rounding of the logits (|logit| up to ~10) and of the attention; the static and dynamic
+# steps of this model differ by up to about 0.06 over 40 bf16 steps on the CPU
+BF16_TOL = 0.25
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +66,8 @@ def _assert_close(got, want, atol):
 
 def _assert_same_up_to_near_ties(got, want, tol):
     """Each sequence equals the reference up to its first different generated token, with log-probs within
-    ``tol`` before it; there the reference's two most likely tokens must be within ``tol`` of each other."""
+    ``tol`` before it; there the token chosen instead must be among the reference's most likely ones, within
+    ``tol`` of the reference's choice."""
     for a, b in zip(got, want):
         n = b.prompt_length
         assert a.tokens[:n] == b.tokens[:n]
@@ -73,15 +76,17 @@ def _assert_same_up_to_near_ties(got, want, tol):
         diffs = [abs(x - y) for x, y in zip(a.logprobs[:n - 1 + k], b.logprobs[:n - 1 + k])]
         assert max(diffs, default=0.0) <= tol, (max(diffs), k)
         if k < len(gen_b):
-            (_, top1), (_, top2) = b.top_logprobs[k][:2]
-            assert top1 - top2 <= tol, f"parted at generated token {k} where the margin is {top1 - top2:.3f}"
+            ranked = dict(b.top_logprobs[k])  # token -> the reference's log-prob, its most likely few
+            assert gen_a[k] in ranked, f"parted at generated token {k} on a token the reference ranks low"
+            margin = ranked[gen_b[k]] - ranked[gen_a[k]]
+            assert margin <= tol, f"parted at generated token {k} where the margin is {margin:.3f}"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_graph_equals_eager_static_equals_dynamic_greedy(precision):
     graph, eager, dynamic = _engines(_model(DTYPES[precision]))
     prompts = random_prompts(PROMPT_LENGTHS, seed=31)
-    params = SamplingParams(max_new_tokens=40, greedy=True, stop_on_eod=False, logprobs=True, top_logprobs=2)
+    params = SamplingParams(max_new_tokens=40, greedy=True, stop_on_eod=False, logprobs=True, top_logprobs=3)
     got = graph.generate(prompts, params)
     step = graph._steps[(4, 64)]  # 17 + 40 positions, rounded up to 64
     assert step.captured
@@ -132,7 +137,7 @@ def _tp2_body(rank, world_size, out_path):
     pstate = ParallelState.build(tensor_model_parallel_size=2)
     engine = InferenceEngine(tiny_model(tiny_args(**ARGS), pstate), pstate, eod=0)
     assert engine.use_cuda_graph  # NCCL: the vocabulary gather is captured with the step
-    params = SamplingParams(max_new_tokens=40, greedy=True, stop_on_eod=False, logprobs=True, top_logprobs=2)
+    params = SamplingParams(max_new_tokens=40, greedy=True, stop_on_eod=False, logprobs=True, top_logprobs=3)
     out = engine.generate(random_prompts(PROMPT_LENGTHS, seed=35), params)
     assert engine._steps[(4, 64)].captured
     with open(f"{out_path}.{rank}", "w") as f:
@@ -145,7 +150,7 @@ def test_tp2_graph_equals_tp1(tmp_path, monkeypatch):
         monkeypatch.setenv(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")
     out_path = str(tmp_path / "tp2.json")
     run_distributed(_tp2_body, world_size=2, args=(out_path,), backend="nccl", cuda=True)
-    params = SamplingParams(max_new_tokens=40, greedy=True, stop_on_eod=False, logprobs=True, top_logprobs=2)
+    params = SamplingParams(max_new_tokens=40, greedy=True, stop_on_eod=False, logprobs=True, top_logprobs=3)
     want = InferenceEngine(_model(torch.float32), eod=0, static_decode=False).generate(
         random_prompts(PROMPT_LENGTHS, seed=35), params)
     for rank in range(2):
