@@ -7,9 +7,12 @@ parallelism over gloo is in test_checkpoint_load.py (TP=2 and PP=2, static and d
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from megatron.core.inference import InferenceEngine, SamplingParams
 from megatron.core.inference.decode_step import static_capacity
+from megatron.core.inference.kv_cache import attention_shape
 from tests.unit.inference.tiny import random_prompts, tiny_args, tiny_model
 
 
@@ -98,3 +101,60 @@ def test_bad_options_are_refused(model):
     step = engine._decode_step(1, 10)
     with pytest.raises(ValueError, match="position 48 is outside the static step's 48 positions"):
         step(torch.zeros(1, 1, dtype=torch.long), 48)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records every ATen call with its arguments (tensors as shape and dtype, anything else as it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        described = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in flat)
+        self.calls.append((str(func), described))
+        return func(*args, **kwargs)
+
+
+def _recorded(fn):
+    with _OpRecorder() as rec:
+        fn()
+    return rec.calls
+
+
+def test_static_step_runs_the_same_ops_at_every_position(model):
+    """What a CUDA graph needs, checked on the CPU: the step's ATen calls, their shapes and their non-tensor
+    arguments do not depend on the position, and none of them reads a value back to the host."""
+    b, n = 3, 6
+    layers, heads, head_dim = attention_shape(model)
+    tokens = torch.tensor(random_prompts([20] * b, seed=26))  # [b, 20]
+    static = InferenceEngine(model, eod=0)
+    step = static._decode_step(b, 20)
+    step.bind()
+    try:
+        static._logits(tokens[:, :n], 0, last_only=True)  # the prompt pass over positions 0 .. n-1
+        calls = []
+        for p in (n, n + 1, n + 9):
+            step.tokens.copy_(tokens[:, p:p + 1])  # the inputs the engine sets before each step
+            step.position.fill_(p)
+            calls.append(_recorded(step._run))  # what the graph records and replays
+    finally:
+        static.cache.release()
+    names = [name for name, _ in calls[0]]
+    assert names.count("aten.index_copy_.default") == 2 * layers  # each layer's key and value written in place
+    assert calls[0] == calls[1] == calls[2]
+    assert not [name for name, _ in calls[0] if "_local_scalar_dense" in name or "item" in name]
+    # the dynamic step, for contrast, changes its shapes with the position
+    dynamic = InferenceEngine(model, eod=0, static_decode=False)
+    dynamic.cache.allocate(layers, b, heads, 20, head_dim, torch.float32, torch.device("cpu"))
+    try:
+        dynamic._logits(tokens[:, :n], 0, last_only=True)
+        dyn = []
+        for p in (n, n + 1):
+            dynamic.cache.offset = p
+            dyn.append(_recorded(lambda p=p: dynamic._logits(tokens[:, p:p + 1], p, last_only=True)))
+    finally:
+        dynamic.cache.release()
+    assert dyn[0] != dyn[1]
