@@ -1,16 +1,21 @@
 """Generation speed of our inference engine next to Hugging Face ``generate`` on the same weights, in one run.
 
-Both decode greedily with a KV cache from the same random prompts, for exactly ``--new-tokens`` tokens (no early
+All decode greedily with a KV cache from the same random prompts, for exactly ``--new-tokens`` tokens (no early
 stop), on the same randomly initialised model (our GPT, its weights copied into ``transformers``'
-``GPT2LMHeadModel`` by ``megatron/core/inference/hf_gpt2.py``). Reported per shape and batch size: generated
-tokens per second (batch x new tokens / wall time of the whole call, prompt included), milliseconds per decoding
-step, peak memory, and how many of the generated tokens the two agree on (bf16 arithmetic of two different
+``GPT2LMHeadModel`` by ``megatron/core/inference/hf_gpt2.py``). Our engine runs in the variants of
+``--variants``: ``graph`` (the static decoding step replayed from a CUDA graph, the default on CUDA), ``eager``
+(the same step run eagerly, ``use_cuda_graph=False``) and ``dynamic`` (the dynamic step, ``static_decode=False``).
+Reported per shape, batch size and variant: generated tokens per second (batch x new tokens / wall time of the
+whole call, prompt included), milliseconds per decoding step (that wall time / new tokens), peak memory, the
+ratio to Hugging Face, and how many generated tokens agree with Hugging Face's (bf16 arithmetic of two different
 kernel sequences may pick different argmaxes once logits nearly tie, so agreement is a sanity check, not a test).
+The first call of each variant is an untimed warm-up (for ``graph`` it captures the step).
 
 Shapes (``--shapes``): ``124m`` (12 layers, h 768, 12 heads) and ``1.3b`` (24 layers, h 2048, 16 heads), 2048
 positions, vocabulary 50,304; ``tiny`` (2 layers, h 64) for a smoke run on the CPU.
 
-    python bench/generation.py                                     # 124m and 1.3b, batch 1 and 16, bf16, GPU
+    python bench/generation.py                          # 124m and 1.3b, batch 1 and 16, bf16, graph + eager + HF
+    python bench/generation.py --variants graph,eager,dynamic --shapes 124m
     python bench/generation.py --shapes tiny --device cpu --dtype fp32 --batch-sizes 1,4 --new-tokens 16 --no-write
 
 Writes ``bench/results/generation[_TAG].json`` and ``.md`` (with the GPU, versions, date and this command).
@@ -38,6 +43,8 @@ from megatron.core.transformer.config import TransformerConfig  # noqa: E402
 SHAPES = {"tiny": (2, 64, 4), "124m": (12, 768, 12), "1.3b": (24, 2048, 16)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VOCAB = 50304
+VARIANTS = {"graph": dict(use_cuda_graph=True), "eager": dict(use_cuda_graph=False),
+            "dynamic": dict(static_decode=False)}
 
 
 def build(shape: str, dtype: torch.dtype, device: torch.device, positions: int) -> GPTModel:
@@ -70,11 +77,13 @@ def timed(fn, device: torch.device, warmup: int, repeats: int):
     return sorted(times)[len(times) // 2], result
 
 
-def bench_shape(shape: str, args, device: torch.device) -> list:
+def bench_shape(shape: str, args, device: torch.device, clock: float) -> list:
     dtype = DTYPES[args.dtype]
     model = build(shape, dtype, device, args.positions)
-    engine = InferenceEngine(model, eod=0)
+    engines = {name: InferenceEngine(model, eod=0, **VARIANTS[name]) for name in args.variants}
     hf = to_hf_gpt2(model, dtype=dtype, attn_implementation="sdpa").to(device)
+    print(f"[{time.perf_counter() - clock:6.1f} s] {shape}: built ({sum(p.numel() for p in model.parameters()):,} "
+          "parameters)", flush=True)
     params = SamplingParams(max_new_tokens=args.new_tokens, greedy=True, stop_on_eod=False)
     rows = []
     for batch in args.batch_sizes:
@@ -82,25 +91,28 @@ def bench_shape(shape: str, args, device: torch.device) -> list:
         prompts = torch.randint(0, 50257, (batch, args.prompt_len), generator=gen)
         row = {"shape": shape, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "dtype": args.dtype}
-        for name, fn in (("ours", lambda: engine.generate(prompts.tolist(), params)),
-                         ("hf", lambda: _hf_generate(hf, prompts.to(device), args.new_tokens))):
+        runs = [(name, lambda e=engine: e.generate(prompts.tolist(), params)) for name, engine in engines.items()]
+        runs.append(("hf", lambda: _hf_generate(hf, prompts.to(device), args.new_tokens)))
+        tokens = {}
+        for name, fn in runs:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             with torch.no_grad():
                 seconds, out = timed(fn, device, args.warmup, args.repeats)
-            tokens = [o.generated for o in out] if name == "ours" else out[:, args.prompt_len:].tolist()
+            tokens[name] = out[:, args.prompt_len:].tolist() if name == "hf" else [o.generated for o in out]
             row[name] = {"seconds": seconds, "tokens_per_s": batch * args.new_tokens / seconds,
                          "ms_per_step": 1000.0 * seconds / args.new_tokens,
                          "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                                           if device.type == "cuda" else None)}
-            row[name + "_tokens"] = tokens
-        same = sum(a == b for x, y in zip(row["ours_tokens"], row["hf_tokens"]) for a, b in zip(x, y))
-        row["agreement"] = same / (batch * args.new_tokens)
-        del row["ours_tokens"], row["hf_tokens"]
-        row["speedup_vs_hf"] = row["ours"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
-        print(f"{shape:>5} batch {batch:>3}: ours {row['ours']['tokens_per_s']:9.1f} tok/s, "
-              f"hf {row['hf']['tokens_per_s']:9.1f} tok/s, x{row['speedup_vs_hf']:.2f}, "
-              f"greedy agreement {row['agreement']:.3f}", flush=True)
+            print(f"[{time.perf_counter() - clock:6.1f} s] {shape} batch {batch}: {name:>7} "
+                  f"{row[name]['tokens_per_s']:9.1f} tok/s, {row[name]['ms_per_step']:6.2f} ms/step", flush=True)
+        for name in engines:
+            same = sum(a == b for x, y in zip(tokens[name], tokens["hf"]) for a, b in zip(x, y))
+            row[name]["agreement_with_hf"] = same / (batch * args.new_tokens)
+            row[name]["speedup_vs_hf"] = row[name]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+        summary = ", ".join(f"{n} x{row[n]['speedup_vs_hf']:.2f} (agreement {row[n]['agreement_with_hf']:.3f})"
+                            for n in engines)
+        print(f"{shape:>5} batch {batch:>3} vs hf: {summary}", flush=True)
         rows.append(row)
     return rows
 
@@ -114,6 +126,9 @@ def _hf_generate(hf, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="124m,1.3b")
+    p.add_argument("--variants", default=None,
+                   help="our engine's variants, comma-separated from graph, eager, dynamic (default: graph,eager "
+                        "on CUDA, eager,dynamic on the CPU)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -135,24 +150,42 @@ def main(argv=None) -> int:
         p.error("--device cuda: no CUDA device (use --device cpu for a smoke run)")
     if args.prompt_len < 1 or args.new_tokens < 1 or args.prompt_len + args.new_tokens > args.positions:
         p.error("need 1 <= --prompt-len, 1 <= --new-tokens and their sum <= --positions")
+    args.variants = (args.variants or ("graph,eager" if args.device == "cuda" else "eager,dynamic")).split(",")
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or not args.variants or len(set(args.variants)) != len(args.variants):
+        p.error(f"--variants: give distinct names from {', '.join(VARIANTS)}, got {','.join(args.variants)}")
+    if "graph" in args.variants and args.device != "cuda":
+        p.error("--variants graph needs --device cuda (CUDA graphs)")
+    if args.warmup < 1 or args.repeats < 1:
+        p.error("--warmup and --repeats must be >= 1 (the warm-up call captures the graph)")
     device = torch.device(args.device)
+    clock = time.perf_counter()
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, args, device)
+        rows += bench_shape(shape, args, device, clock)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the shape's models are gone with bench_shape's frame
+    print(f"[{time.perf_counter() - clock:6.1f} s] done", flush=True)
     if not args.no_write:
-        table = ["| shape | batch | ours tok/s | HF tok/s | ours / HF | ours ms/step | HF ms/step | greedy agreement |",
+        table = ["| shape | batch | engine | tok/s | ms/step | vs HF | peak GiB | greedy agreement with HF |",
                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            table.append(f"| {r['shape']} | {r['batch']} | {r['ours']['tokens_per_s']:.1f} | "
-                         f"{r['hf']['tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | {r['ours']['ms_per_step']:.2f} "
-                         f"| {r['hf']['ms_per_step']:.2f} | {r['agreement']:.3f} |")
+            for name in [*args.variants, "hf"]:
+                m = r[name]
+                mem = f"{m['peak_mem_gib']:.2f}" if m["peak_mem_gib"] is not None else "-"
+                vs = f"{m['speedup_vs_hf']:.2f}" if name != "hf" else "1"
+                agree = f"{m['agreement_with_hf']:.3f}" if name != "hf" else "-"
+                label = "Hugging Face" if name == "hf" else f"ours, {name}"
+                table.append(f"| {r['shape']} | {r['batch']} | {label} | {m['tokens_per_s']:.1f} | "
+                             f"{m['ms_per_step']:.2f} | {vs} | {mem} | {agree} |")
         stem = "generation" + (f"_{args.tag}" if args.tag else "")
         write_results(args.results_dir, stem, run_meta("generation.py"), rows,
                       "Generation speed: our engine and Hugging Face generate", [
                           f"Greedy, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.dtype}; "
-                          "tokens/s = batch x new tokens / wall time of the whole call (prompt included).", "",
+                          "tokens/s = batch x new tokens / wall time of the whole call (prompt included); median "
+                          f"of {args.repeats} calls after {args.warmup} warm-up call(s). Ours: graph = the static "
+                          "decoding step replayed from a CUDA graph (the default on CUDA), eager = the same step "
+                          "run eagerly, dynamic = the dynamic step.", "",
                           *table])
     return 0
 

@@ -4,9 +4,11 @@
     python tools/generate.py --load CKPT --prompt-file prompts.txt --greedy --json      # one prompt per line
     echo "To be, or not" | python tools/generate.py --load CKPT --greedy                # prompts from stdin
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT --prompt "..."            # tensor parallel
+    python tools/generate.py --load CKPT --prompt "..." --no-cuda-graph                 # eager decoding steps
 
 Prompts are continued in batches of ``--batch-size``; the continuation (or with ``--json`` one JSON object per
-prompt: prompt, text, tokens, finish reason and optionally log-probs) goes to stdout.
+prompt: prompt, text, tokens, finish reason and optionally log-probs) goes to stdout. On CUDA each decoding step
+is replayed from a CUDA graph captured once per batch size and length (``--no-cuda-graph`` runs it eagerly).
 """
 
 from __future__ import annotations

@@ -6,11 +6,17 @@ vocab-parallel logits are all-gathered so each rank sees the full vocabulary, an
 from the group's first rank. Under pipeline parallelism each stage receives the previous stage's activations,
 runs its layers (with their own KV cache) and sends its output on; the last stage samples, and the chosen tokens
 (and at the end the log-probs) are broadcast from it to every stage, so that all ranks continue identically.
+
+The prompt pass runs the model once over the shortest prompt. Each later position is one static decoding step
+(``decode_step.py``): the same shapes at every position, replayed from a CUDA graph on CUDA at pipeline size 1
+(``use_cuda_graph``), run eagerly elsewhere. ``static_decode=False`` keeps the dynamic step, whose attention covers
+only the positions filled so far: the reference the static step is tested against.
 """
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -19,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.collectives import backend_of
+from megatron.core.inference.decode_step import StaticDecodeStep, static_capacity
 from megatron.core.inference.kv_cache import attention_shape, cache_device, cache_dtype, install_kv_cache
 from megatron.core.inference.sampling import SamplingParams, sample_next
 from megatron.core.parallel_state import ParallelState
@@ -40,10 +48,18 @@ class GenerationOutput:
 
 
 class InferenceEngine:
-    """Generation and scoring over a GPT: the whole model, or this rank's pipeline stage of it (``pstate``)."""
+    """Generation and scoring over a GPT: the whole model, or this rank's pipeline stage of it (``pstate``).
+
+    ``static_decode`` (default True): decode with the static step (position-independent shapes); False: the
+    dynamic step. ``use_cuda_graph``: replay the static step from a CUDA graph; default (None) on when the model
+    is on CUDA at pipeline size 1 (and the tensor-parallel group, if any, is NCCL). ``max_decode_steps``: how
+    many static steps (each with its own key/value buffers and graph, one per batch size and capacity) are kept
+    for later calls; the least recently used one is dropped beyond that.
+    """
 
     def __init__(self, model: torch.nn.Module, pstate: Optional[ParallelState] = None, tokenizer=None,
-                 vocab_size: Optional[int] = None, eod: Optional[int] = None):
+                 vocab_size: Optional[int] = None, eod: Optional[int] = None, *, static_decode: bool = True,
+                 use_cuda_graph: Optional[bool] = None, max_decode_steps: int = 2):
         self.pstate = pstate or ParallelState.single()
         if (model.pre_process and model.post_process) != (self.pstate.pp_size == 1):
             raise ValueError("the model must be the whole GPT at pipeline size 1, or this rank's stage of it")
@@ -58,15 +74,59 @@ class InferenceEngine:
         self.max_length = model.config.max_position_embeddings
         self.device = cache_device(model)
         self.cache = install_kv_cache(model)
+        self.static_decode = bool(static_decode)
+        self.use_cuda_graph = self._graph_choice(use_cuda_graph)
+        if max_decode_steps < 1:
+            raise ValueError(f"max_decode_steps must be >= 1, got {max_decode_steps}")
+        self.max_decode_steps = max_decode_steps
+        self._steps: "OrderedDict[tuple, StaticDecodeStep]" = OrderedDict()
+
+    def _graph_choice(self, asked: Optional[bool]) -> bool:
+        """Whether to capture the static step: ``asked`` checked against the setup, or the default for it."""
+        tp_nccl = self.pstate.tp_size == 1 or "nccl" in backend_of(self.pstate.tp_group)
+        problem = None
+        if self.device.type != "cuda":
+            problem = f"the model is on {self.device.type}, not CUDA"
+        elif not self.static_decode:
+            problem = "it captures the static decoding step (static_decode=False was given)"
+        elif self.pstate.pp_size > 1:
+            problem = "pipeline stages exchange activations between steps (pipeline size > 1)"
+        elif not tp_nccl:
+            problem = "the tensor-parallel group is not NCCL"
+        if asked and problem is not None:
+            raise ValueError(f"use_cuda_graph: cannot capture the decoding step: {problem}")
+        return problem is None if asked is None else bool(asked)
+
+    def drop_decode_steps(self) -> None:
+        """Free the kept static steps (their key/value buffers and graphs); later calls build new ones."""
+        self._steps.clear()
+
+    def _decode_step(self, batch: int, total: int) -> StaticDecodeStep:
+        """The static step for ``batch`` sequences of ``total`` positions: a kept one, or a new one."""
+        key = (batch, static_capacity(total, self.max_length))
+        step = self._steps.pop(key, None)
+        if step is None:
+            while len(self._steps) >= self.max_decode_steps:
+                self._steps.popitem(last=False)  # the least recently used
+            step = StaticDecodeStep(self._step_logits, self.cache, batch, key[1], attention_shape(self.model),
+                                    cache_dtype(self.model), self.device, self.use_cuda_graph)
+        self._steps[key] = step  # now the most recently used
+        return step
+
+    def _step_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._logits(tokens, 0, last_only=True, positions=positions)  # [b, 1, V]
 
     # ---- forward passes ------------------------------------------------------------------------------
     @torch.no_grad()
-    def stage_forward(self, tokens: torch.Tensor, start: int = 0, labels: Optional[torch.Tensor] = None):
-        """Run this rank's stage on ``tokens [b, s]`` at positions ``start ..``: the last stage returns the model's
-        output (vocab-parallel logits ``[b, s, V/tp]``, or per-token losses ``[b, s]`` given ``labels``), the
-        other stages send their activations on and return ``None``."""
+    def stage_forward(self, tokens: torch.Tensor, start: int = 0, labels: Optional[torch.Tensor] = None,
+                      positions: Optional[torch.Tensor] = None):
+        """Run this rank's stage on ``tokens [b, s]`` at positions ``start ..`` (or the device tensor
+        ``positions [b, s]``): the last stage returns the model's output (vocab-parallel logits ``[b, s, V/tp]``,
+        or per-token losses ``[b, s]`` given ``labels``), the other stages send their activations on and return
+        ``None``."""
         b, s = tokens.shape
-        positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
+        if positions is None:
+            positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
         if not self.first_stage:
             hidden = torch.empty(s, b, self.model.config.hidden_size, dtype=cache_dtype(self.model),
                                  device=self.device)  # [s, b, h]
@@ -78,10 +138,11 @@ class InferenceEngine:
             return None
         return out
 
-    def _logits(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> Optional[torch.Tensor]:
+    def _logits(self, tokens: torch.Tensor, start: int, last_only: bool = False,
+                positions: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Full-vocabulary float32 logits ``[b, s, V_padded]`` (``[b, 1, V_padded]`` for the last position only)
         on the last stage, ``None`` elsewhere."""
-        logits = self.stage_forward(tokens, start)  # [b, s, V/tp]
+        logits = self.stage_forward(tokens, start, positions=positions)  # [b, s, V/tp]
         if logits is None:
             return None
         if last_only:
@@ -152,13 +213,23 @@ class InferenceEngine:
         text_cut: List[Optional[int]] = [None] * b
         tops: List[List[list]] = [[] for _ in range(b)]
         generated: List[List[int]] = [[] for _ in range(b)]  # host copy of each sequence's generated tokens
-        n_layers, heads, head_dim = attention_shape(self.model)
-        self.cache.allocate(n_layers, b, heads, total, head_dim, cache_dtype(self.model), self.device)
+        # the device copy of ``done`` (remade when a sequence finishes), None while no sequence is done
+        done_t = torch.tensor(done, device=self.device) if any(done) else None
+        step = None
+        if self.static_decode:
+            step = self._decode_step(b, total)
+            step.bind()
+        else:
+            n_layers, heads, head_dim = attention_shape(self.model)
+            self.cache.allocate(n_layers, b, heads, total, head_dim, cache_dtype(self.model), self.device)
         try:
             prev, cur = 0, min_len
             while True:
-                # [b, cur - prev, V] (or [b, 1, V] without log-probs); None off the last stage
-                logits = self._logits(tokens[:, prev:cur], prev, last_only=logprobs is None)
+                if step is not None and prev > 0:  # one position after the prompt pass
+                    logits = step(tokens[:, prev:cur], prev)  # [b, 1, V]; None off the last stage
+                else:
+                    # [b, cur - prev, V] (or [b, 1, V] without log-probs); None off the last stage
+                    logits = self._logits(tokens[:, prev:cur], prev, last_only=logprobs is None)
                 self.cache.offset = cur
                 if logprobs is not None and logits is not None and cur - prev > 1:  # prompt tokens in this chunk
                     lp = F.log_softmax(logits[:, :-1], dim=-1)  # [b, cur - prev - 1, V]
@@ -171,14 +242,18 @@ class InferenceEngine:
                 else:
                     chosen = torch.empty(b, dtype=torch.long, device=self.device)
                 chosen = self.from_last_stage(chosen)
-                in_prompt = cur < lengths_t
-                chosen = torch.where(in_prompt, tokens[:, cur], chosen)
-                finished = torch.tensor(done, device=self.device) & ~in_prompt
-                tokens[:, cur] = torch.where(finished, torch.full_like(chosen, pad), chosen)
+                in_prompt = cur < lengths_t if cur < max_prompt else None  # [b] bool
+                if in_prompt is not None:
+                    chosen = torch.where(in_prompt, tokens[:, cur], chosen)
+                if done_t is not None:
+                    finished = done_t if in_prompt is None else done_t & ~in_prompt
+                    chosen = chosen.masked_fill(finished, pad)
+                tokens[:, cur] = chosen
                 if logits is not None:
                     self._record_logprobs(logits[:, -1], chosen, cur, params, logprobs, tops,
                                           [not done[i] and cur >= lengths[i] for i in range(b)])
-                step_tokens = tokens[:, cur].tolist()  # one device-to-host copy per step
+                step_tokens = chosen.tolist()  # one device-to-host copy per step
+                finished_now = False
                 for i in range(b):
                     if done[i] or cur < lengths[i]:
                         continue
@@ -188,6 +263,9 @@ class InferenceEngine:
                         reason = "length"
                     if reason is not None:
                         done[i], finish[i], stop_at[i], text_cut[i] = True, reason, cur + 1, cut
+                        finished_now = True
+                if finished_now:
+                    done_t = torch.tensor(done, device=self.device)
                 prev, cur = cur, cur + 1
         finally:
             self.cache.release()

@@ -31,6 +31,10 @@ class KVCache:
         self.values: List[torch.Tensor] = []
         self.offset = 0
         self.active = False
+        # static decoding only: the position (long [1], on the device) a one-token forward writes, and the
+        # positions it may attend to (bool [1, 1, 1, max_len], True up to and including that position)
+        self.position: Optional[torch.Tensor] = None
+        self.visible: Optional[torch.Tensor] = None
 
     def allocate(self, num_layers: int, batch: int, heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -40,10 +44,17 @@ class KVCache:
         self.offset = 0
         self.active = True
 
+    def use(self, keys: List[torch.Tensor], values: List[torch.Tensor]) -> None:
+        """Activate the cache on buffers the caller keeps (a static decoding step's, reused across calls)."""
+        self.keys, self.values = list(keys), list(values)
+        self.offset = 0
+        self.active = True
+
     def release(self) -> None:
         self.keys, self.values = [], []
         self.offset = 0
         self.active = False
+        self.position = self.visible = None
 
     @property
     def capacity(self) -> int:
@@ -64,6 +75,8 @@ class CachedCoreAttention(nn.Module):
             return self.original(q, k, v, attention_mask)
         if attention_mask is not None:  # the cache serves causal decoders, whose attention takes no padding mask
             raise ValueError("KV-cached generation runs causal models only; a padding mask was given")
+        if self.cache.position is not None:
+            return self._static_step(q, k, v)
         s, b, n, d = q.shape  # q, k, v: [s, b, n/tp, d]
         start, end = self.cache.offset, self.cache.offset + s
         if end > self.cache.capacity:
@@ -79,6 +92,21 @@ class CachedCoreAttention(nn.Module):
             mask = torch.ones(s, end, dtype=torch.bool, device=q.device).tril_(diagonal=start)  # [s, end]
         ctx = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(d))
         return ctx.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, n*d]
+
+    def _static_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One position whose index is on the device: the same kernels and shapes at every position."""
+        s, b, n, d = q.shape  # q, k, v: [1, b, n/tp, d]
+        k_buf, v_buf = self.cache.keys[self.layer_index], self.cache.values[self.layer_index]
+        if s != 1 or b != k_buf.shape[0]:
+            raise ValueError(f"the static decoding step takes one position of a batch of {k_buf.shape[0]}, "
+                             f"got {s} positions of {b}")
+        k_buf.index_copy_(2, self.cache.position, k.permute(1, 2, 0, 3))  # [b, n, 1, d] into [b, n, T, d]
+        v_buf.index_copy_(2, self.cache.position, v.permute(1, 2, 0, 3))  # [b, n, 1, d] into [b, n, T, d]
+        q = q.permute(1, 2, 0, 3)  # [b, n, 1, d]
+        # every buffered position is attended to; those after the current one are masked out
+        ctx = F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=self.cache.visible,
+                                             scale=1.0 / math.sqrt(d))  # [b, n, 1, d]
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [1, b, n*d]
 
 
 def install_kv_cache(model: nn.Module) -> KVCache:

@@ -36,6 +36,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["sdpa", "unfused"], default="sdpa")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (the processes not in it form the tensor-parallel size)")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="generation on CUDA: run every decoding step eagerly instead of replaying it from a CUDA "
+                        "graph (the same tokens, slower; for comparison)")
 
 
 def _init_distributed(device: str, pp: int) -> ParallelState:
@@ -76,7 +79,8 @@ def build_engine(args: argparse.Namespace) -> tuple:
     except CheckpointLoadError as exc:
         raise ValueError(str(exc)) from exc
     tokenizer = build_tokenizer_from(args, loaded.args)
-    engine = InferenceEngine(loaded.model, pstate, tokenizer=tokenizer)
+    engine = InferenceEngine(loaded.model, pstate, tokenizer=tokenizer,
+                             use_cuda_graph=False if args.no_cuda_graph else None)
     return engine, pstate, loaded
 
 

@@ -88,13 +88,16 @@ def _generate_all(engine):
 
 
 def _parallel_body(rank, world_size, ckpts, out_path):
-    """TP=2 on both checkpoints, then PP=2 (every rank writes what it got: all ranks must agree)."""
+    """TP=2 on both checkpoints, then PP=2, with the static decoding step (the default) and on the first
+    checkpoint also the dynamic one (every rank writes what it got: all ranks must agree)."""
     results = []
     for sizes in ({"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}):
         pstate = ParallelState.build(**sizes)
         for ckpt in ckpts:
-            engine = InferenceEngine(load_gpt_for_inference(ckpt, pstate).model, pstate, eod=0)
-            results.append(_generate_all(engine))
+            model = load_gpt_for_inference(ckpt, pstate).model
+            results.append(_generate_all(InferenceEngine(model, pstate, eod=0)))
+            if ckpt == ckpts[0]:
+                results.append(_generate_all(InferenceEngine(model, pstate, eod=0, static_decode=False)))
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(results, f)
 
@@ -108,7 +111,9 @@ def test_tp2_and_pp2_generation_equal_tp1(tmp_path):
     run_distributed(_parallel_body, world_size=2, args=(ckpts, out_path))
     want = _generate_all(InferenceEngine(load_gpt_for_inference(ckpts[0]).model, eod=0))
     for rank in range(2):
-        for got in json.load(open(f"{out_path}.{rank}")):
+        runs = json.load(open(f"{out_path}.{rank}"))
+        assert len(runs) == 6
+        for got in runs:
             assert got["greedy"] == want["greedy"] and got["sampled"] == want["sampled"]
             for a, b in zip(got["logprobs"], want["logprobs"]):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
