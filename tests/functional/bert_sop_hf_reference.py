@@ -1,13 +1,20 @@
-"""Hugging Face BertForPreTraining trained on the BERT batches pretrain_bert.py reads: the reference for the
-sentence-order accuracy of a tiny BERT on real text (docs/bert.md, "The sentence-order head on real text").
+"""Hugging Face's BERT trained on the BERT batches pretrain_bert.py reads: the reference for the sentence-order
+accuracy of a tiny BERT on real text (docs/bert.md, "The sentence-order head on real text").
 
-    python tests/functional/bert_sop_hf_reference.py PREFIX_text_sentence vocab.txt [--iters 150] [--batch 128]
+    python tests/functional/bert_sop_hf_reference.py PREFIX_text_sentence vocab.txt [--iters 150] [--batch 64]
+        [--seq-length 128] [--hidden-size 128] [--num-layers 2] [--num-heads 4] [--lr 2e-3] [--init-std 0.088]
+        [--post-ln]
+
+The model is ``MegatronBertForPreTraining`` (pre-LN, the order ``pretrain_bert.py`` trains by default), or with
+``--post-ln`` the original ``BertForPreTraining`` (``--apply-residual-connection-post-layernorm``).
 
 The batches come from ``bench/corpus.py``'s ``bert_batches`` (the library's BERT dataset and loader with
-``--split 100,0,0 --seed 1234``: the samples of ``pretrain_bert.py`` with those flags). The model is 2 layers,
-hidden 64, 4 heads, dropout 0; AdamW (weight decay 0.01), 10 warm-up iterations then cosine decay to lr/10, clip
-1.0. The MLM head runs on the masked positions only (the same loss as on every position under the loss mask).
-Prints the mean MLM loss and SOP accuracy per 25 iterations, then the summary line.
+``--split 100,0,0 --seed 1234``: the samples of ``pretrain_bert.py`` with those flags). The model has dropout 0,
+feed-forward width 4·hidden and every weight drawn from N(0, ``--init-std``) (Hugging Face's
+``initializer_range``; ``pretrain_bert.py``'s ``--init-method-std``); AdamW (weight decay 0.01), 10 warm-up
+iterations then cosine decay to lr/10, clip 1.0. The MLM head runs on the masked positions only (the same loss as
+on every position under the loss mask). Prints the mean MLM loss and SOP accuracy per 25 iterations, then the
+summary line.
 """
 
 import argparse
@@ -25,7 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def main() -> None:
-    from transformers import BertConfig, BertForPreTraining
+    import transformers
 
     from corpus import bert_batches
     from megatron.core.tokenizer import build_tokenizer
@@ -35,16 +42,24 @@ def main() -> None:
     ap.add_argument("data_prefix", help="a _text_sentence prefix (tools/preprocess_data.py --split-sentences)")
     ap.add_argument("vocab_file", help="the WordPiece vocab.txt the data was tokenised with")
     ap.add_argument("--iters", type=int, default=150)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--seq-length", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--hidden-size", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--init-std", type=float, default=0.088, help="standard deviation of every initial weight")
+    ap.add_argument("--post-ln", action="store_true", help="BertForPreTraining instead of MegatronBertForPreTraining")
     a = ap.parse_args()
     vocab = pad_vocab_size(build_tokenizer("BertWordPieceLowerCase", vocab_file=a.vocab_file).vocab_size, 128, 1)
     torch.manual_seed(1234)
-    h = 64
-    model = BertForPreTraining(BertConfig(
-        vocab_size=vocab, hidden_size=h, num_hidden_layers=2, num_attention_heads=4, intermediate_size=4 * h,
-        max_position_embeddings=a.seq_length, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    h = a.hidden_size
+    name = "Bert" if a.post_ln else "MegatronBert"
+    config_class, model_class = getattr(transformers, name + "Config"), getattr(transformers, name + "ForPreTraining")
+    model = model_class(config_class(
+        vocab_size=vocab, hidden_size=h, num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+        intermediate_size=4 * h, max_position_embeddings=a.seq_length, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, initializer_range=a.init_std))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     warm = 10
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: (i + 1) / warm if i < warm else
