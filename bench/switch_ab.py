@@ -75,7 +75,7 @@ def turn_off(switch: str) -> None:
     module_name, attribute = SWITCHES[switch]
     module = importlib.import_module(module_name)
     if switch == "lazy_grad_zero":
-        from megatron.training import training
+        from megatron.training import setup
 
         config_class = module.DDPConfig
         if "lazy_grad_zero" not in getattr(config_class, "__dataclass_fields__", {}):
@@ -86,7 +86,7 @@ def turn_off(switch: str) -> None:
             print(f"{APPLIED} {switch}", flush=True)
             return config
 
-        training.DDPConfig = ddp_config_without_lazy_zero  # what the trainer calls to build its DDPConfig
+        setup.DDPConfig = ddp_config_without_lazy_zero  # what build_model calls to build its DDPConfig
         return
     if not hasattr(module, attribute):
         raise SystemExit(f"switch_ab: {module_name}.{attribute} no longer exists; update SWITCHES")
