@@ -29,7 +29,7 @@ from megatron.core.grad_record import fused_target, store_grad
 def accumulate_wgrad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
     """``weight.main_grad += dy2^T @ x2`` with fp32 accumulation and output (one GEMM when the build supports
     out_dtype), or ``=`` while the slice is marked zero (``grad_record.store_grad``: the GEMM then writes and
-    never reads the buffer, which may hold stale values)."""
+    never reads the buffer)."""
 
     def store(main_grad: torch.Tensor, accumulate: bool) -> None:
         try:
