@@ -23,7 +23,8 @@ from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training.config import ExtraSection, TrainingContext, transformer_config
 from megatron.training.dry_run import print_dry_run, wants_dry_run
 from megatron.training.flag_table import ConfigError
-from megatron.training.training import main_entry, pretrain, print_rank_0, rank_0_first
+from megatron.training.setup import main_entry, print_rank_0, rank_0_first
+from megatron.training.training import pretrain
 
 BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
 

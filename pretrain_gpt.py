@@ -15,7 +15,8 @@ from megatron.core.models.init import initialize_model_parameters
 from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training.config import TrainingContext, transformer_config
 from megatron.training.dry_run import print_dry_run, wants_dry_run
-from megatron.training.training import main_entry, pretrain, print_rank_0, rank_0_first
+from megatron.training.setup import main_entry, print_rank_0, rank_0_first
+from megatron.training.training import pretrain
 
 
 def model_provider(ctx: TrainingContext):

@@ -68,7 +68,7 @@ def trainer_context(argv: list):
     process group): the library's parser, validation and tokenizer."""
     from megatron.core.parallel_state import ParallelState
     from megatron.training.arguments import parse_config
-    from megatron.training.training import build_context
+    from megatron.training.setup import build_context
 
     cfg, _ = parse_config(argv, world_size=1)
     return build_context(cfg, ParallelState.single())
@@ -86,7 +86,7 @@ def batches(argv: list, num_workers: int = None):
 
     sys.path.insert(0, ROOT)
     import pretrain_gpt
-    from megatron.training.training import build_iterators
+    from megatron.training.setup import build_iterators
 
     ctx = trainer_context(argv)
     data = ctx.config.data

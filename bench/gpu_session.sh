@@ -15,14 +15,12 @@
 #                                                   git archive REF | tar -x -C scratch/base), interleaved, two
 #                                                   rounds: ours-fp8 (delayed, CUDA graph) at both shapes and
 #                                                   ours (bf16, CUDA graph) at 124M; bench/results/ab_TAG: ~5 min
-#   bash bench/gpu_session.sh switches [RESULTS_DIR]   each speed switch of the gradient path on and off (ours,
-#                                                   bf16, 124M and 1.3B, interleaved rounds): ~6 min
 #   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm, FP8-cast and column-sum launch sweeps; each
 #                                                   prints its best configuration (the library is not edited)
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?tests, table, recompute, check, multi, ab, switches or sweep}
+what=${1:?tests, table, recompute, check, multi, ab or sweep}
 R=${2:-bench/results}
 [ "$what" = ab ] || mkdir -p "$R/logs"  # ab's second argument is the baseline checkout, not a results folder
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -61,11 +59,9 @@ case "$what" in
         --case "124m:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" \
         --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" --case "124m:ours:--enable-cuda-graph" \
         | grep -E "^\|" ;;
-  switches)
-    python bench/switch_ab.py --results-dir "$R" --log-dir "$R/logs" | grep -E "^(\||- )" ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --out "$R/kernel_sweep_ln.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only fp8 --out "$R/kernel_sweep_fp8.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only colsum --out "$R/kernel_sweep_colsum.json" | grep -A9 "^Best" ;;
-  *) echo "unknown step $what (tests, table, recompute, check, multi, ab, switches or sweep)" >&2; exit 2 ;;
+  *) echo "unknown step $what (tests, table, recompute, check, multi, ab or sweep)" >&2; exit 2 ;;
 esac

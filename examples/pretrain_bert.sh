@@ -6,15 +6,8 @@ set -euo pipefail
 : "${DATA:?set DATA to a _text_sentence prefix}" "${VOCAB:?set VOCAB to a WordPiece vocab.txt}"
 CKPT=${CKPT:-checkpoints/bert-large}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-torchrun --nproc_per_node "${GPUS:-8}" pretrain_bert.py \
-    --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 --max-position-embeddings 512 \
+source "$(dirname "${BASH_SOURCE[0]}")/bert_large_flags.sh"
+torchrun --nproc_per_node "${GPUS:-8}" pretrain_bert.py "${BERT_LARGE_ARGS[@]}" \
     --micro-batch-size 4 --global-batch-size 32 --train-iters 2000000 \
     --lr 1e-4 --min-lr 1e-5 --lr-decay-style linear --lr-decay-iters 990000 --lr-warmup-fraction 0.01 \
-    --weight-decay 1e-2 --clip-grad 1.0 --init-method-std 0.02 \
-    --bf16 --use-distributed-optimizer --overlap-grad-reduce \
-    --mask-prob 0.15 --short-seq-prob 0.1 \
-    --data-path "$DATA" --split 949,50,1 \
-    --tokenizer-type "${TOKENIZER:-BertWordPieceLowerCase}" --vocab-file "$VOCAB" \
-    --log-interval 100 --log-throughput --tensorboard-dir "$CKPT/tensorboard" \
-    --eval-interval 1000 --eval-iters 10 \
-    --save "$CKPT" --load "$CKPT" --save-interval 10000 --exit-duration-in-mins "${MINUTES:-230}"
+    --save-interval 10000

@@ -12,17 +12,10 @@ fi
 : "${MASTER_ADDR:?set MASTER_ADDR}" "${DATA:?set DATA to a _text_sentence prefix}" "${VOCAB:?set VOCAB}"
 CKPT=${CKPT:-checkpoints/bert-large-distributed}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+source "$(dirname "${BASH_SOURCE[0]}")/bert_large_flags.sh"
 torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "${GPUS_PER_NODE:-8}" \
-    --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" pretrain_bert.py \
+    --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" pretrain_bert.py "${BERT_LARGE_ARGS[@]}" \
     --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 \
-    --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 --max-position-embeddings 512 \
     --micro-batch-size 8 --global-batch-size "${GLOBAL_BATCH:-1024}" --train-iters 500000 \
     --lr 2e-4 --min-lr 2e-5 --lr-decay-style linear --lr-decay-iters 490000 --lr-warmup-fraction 0.01 \
-    --weight-decay 1e-2 --clip-grad 1.0 --init-method-std 0.02 \
-    --bf16 --use-distributed-optimizer --overlap-grad-reduce \
-    --mask-prob 0.15 --short-seq-prob 0.1 \
-    --data-path "$DATA" --split 949,50,1 \
-    --tokenizer-type "${TOKENIZER:-BertWordPieceLowerCase}" --vocab-file "$VOCAB" \
-    --log-interval 100 --log-throughput --tensorboard-dir "$CKPT/tensorboard" \
-    --eval-interval 1000 --eval-iters 10 \
-    --save "$CKPT" --load "$CKPT" --save-interval 5000 --exit-duration-in-mins "${MINUTES:-230}"
+    --save-interval 5000

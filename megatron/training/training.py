@@ -1,11 +1,11 @@
-"""The pretraining driver: flags -> config -> process group -> grid -> model -> optimizer -> checkpoint -> loop."""
+"""The training loop: ``Trainer.run`` is one loop whose body is one iteration (the step, its accounting and log
+line, then evaluation, a checkpoint and the exit checks at their intervals); ``pretrain()`` builds what the loop
+needs (``setup.py``), runs it, then saves and evaluates once more."""
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -13,94 +13,25 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.fusions.fp8 import delayed_scaling_step
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.training import checkpoint_folder as cfold
-from megatron.training import checkpoint_io as cio
 from megatron.training import checkpointing, signals, watchdog
-from megatron.training.arguments import parse_config, world_size_from_env
-from megatron.training.config import ParallelConfig, RunConfig, TrainingContext, pad_vocab_size
+from megatron.training.config import RunConfig
 from megatron.training.cuda_graph import FullIterationCudaGraph
 from megatron.training.downstream_eval import build_downstream_evaluator
-from megatron.training.dry_run import wants_dry_run
-from megatron.training.flag_table import ConfigError, SharedError
-from megatron.training.run_lock import RunLockError, acquire_for_job
+from megatron.training.flag_table import SharedError
 from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
                                        num_floating_point_operations, perplexity)
-from megatron.training.scheduler import OptimizerParamScheduler
+from megatron.training.setup import (build_context, build_iterators, build_model, build_optimizer, build_scheduler,
+                                     job_environment, job_flags, load_checkpoint_if_any, print_rank_0,
+                                     print_rank_last, sync_device)
 from megatron.training.step_executor import CudaGraphStep, EagerStep, StepExecutor, StepResult
-
-
-def print_rank_0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
-
-
-def print_rank_last(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
-        print(msg, flush=True)
 
 
 class NonFiniteError(SharedError):
     """--check-for-nan-in-loss-and-grad found a non-finite loss or gradient norm (all ranks agree)."""
-
-
-def _env_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def initialize_distributed(parallel: ParallelConfig) -> int:
-    """Join the process group torchrun (or torch.distributed.launch) describes, with the configured backend and
-    timeout; return the world size."""
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is None and parallel.local_rank_from_launcher is not None:
-        local_rank = str(parallel.local_rank_from_launcher)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(local_rank or "0") % torch.cuda.device_count())
-    if parallel.world_size > 1 and not dist.is_initialized():
-        import datetime
-
-        dist.init_process_group(backend=parallel.distributed_backend,
-                                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
-    return parallel.world_size
-
-
-def rank_0_first(build: Callable[[bool], object]) -> object:
-    """``build(True)`` on rank 0, then ``build(False)`` on the others (e.g. to read what rank 0 cached).
-
-    An error on rank 0 (``ValueError``/``OSError``) reaches every rank as the same ``SharedError`` message,
-    instead of the others failing on a closed connection.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return build(True)
-    error, result = None, None
-    if dist.get_rank() == 0:
-        try:
-            result = build(True)
-        except (ValueError, OSError) as exc:
-            error = str(exc)
-    message = [error]
-    dist.broadcast_object_list(message, src=0)
-    if message[0] is not None:
-        raise SharedError(message[0])
-    return result if dist.get_rank() == 0 else build(False)
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def job_flags(values, dtype=torch.float32) -> torch.Tensor:
-    """A small tensor of per-rank decisions for a MAX all-reduce, on the device the process group's backend
-    reduces (NCCL only reduces GPU tensors)."""
-    flags = torch.tensor(values, dtype=dtype)
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
-    return flags
 
 
 def microbatch_means(stats: list) -> dict:
@@ -135,23 +66,9 @@ class Trainer:
         self.forward_step_func = forward_step_func
         self.iterators = iterators
         self.flops_per_iteration = flops_per_iteration
-        o, p = cfg.optimizer, cfg.precision
-        opt_cfg = OptimizerConfig(
-            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad, bf16=p.bf16, fp16=p.fp16,
-            loss_scale=p.loss_scale, initial_loss_scale=p.initial_loss_scale,
-            min_loss_scale=p.min_loss_scale, loss_scale_window=p.loss_scale_window,
-            hysteresis=p.hysteresis, use_distributed_optimizer=o.use_distributed_optimizer,
-            overlap_param_gather=o.overlap_param_gather, capturable=cfg.training.enable_cuda_graph,
-            fused_adamw=o.fused_adamw,
-        )
-        self.optimizer = get_megatron_optimizer(opt_cfg, model, pstate)
-        sc = cfg.scheduler
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, sc.lr, sc.min_lr, sc.lr_warmup_iters, sc.lr_decay_iters, sc.lr_decay_style,
-            sc.weight_decay,
-        )
+        p = cfg.precision
+        self.optimizer = build_optimizer(cfg, model, pstate)
+        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         self.forward_backward = get_forward_backward_func(pstate)
         self.iteration = 0
         self.consumed_train_samples = 0
@@ -338,7 +255,7 @@ class Trainer:
         t_end, exit_after_in_flight = None, None
         while self.iteration < t.train_iters:
             if t_end is None:
-                _sync()
+                sync_device()
                 t_end = time.time()
             watchdog.progress(self.iteration + 1)
             result = executor.step(run_ahead=exit_after_in_flight is None and self._may_run_ahead(self.iteration + 1))
@@ -387,73 +304,6 @@ class _LogWindow:
         return out
 
 
-def build_iterators(ctx: TrainingContext, datasets_provider, consumed_train: int, consumed_valid: int,
-                     chunks: int):
-    """One iterator per model chunk for train/valid/test on ranks that read data (TP rank 0)."""
-    from megatron.core.datasets.samplers import build_pretraining_data_loader
-
-    t, pstate = ctx.config.training, ctx.pstate
-    gbs = t.global_batch_size
-    eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_iters else 0
-    num_samples = (t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs)
-    train_ds, valid_ds, test_ds = datasets_provider(ctx, num_samples)
-    if num_samples[0] > 0 and train_ds is None:
-        raise SharedError(f"--split {ctx.config.data.split} leaves no training data, but {t.train_iters} training "
-                          "iterations were asked for; give the train split a share")
-    # Whether a split exists is one decision for the whole job: a rank that skips an evaluation its peers run
-    # would leave them waiting in the evaluation's collectives (e.g. an empty test split of --split 98,2,0).
-    exists = job_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)], dtype=torch.int32)
-    if dist.is_initialized():
-        dist.all_reduce(exists, op=dist.ReduceOp.MAX)
-    if pstate.tp_rank != 0:
-        return {split: ([None] * chunks if present else None)
-                for split, present in zip(("train", "valid", "test"), exists.tolist())}
-
-    def loaders(ds, consumed):
-        if ds is None:
-            return None
-        out = []
-        for _ in range(chunks):
-            loader = build_pretraining_data_loader(ds, consumed, t.micro_batch_size, pstate.dp_rank,
-                                                   pstate.dp_size, num_workers=ctx.config.data.num_workers)
-            out.append(iter(loader))
-        return out
-
-    return {"train": loaders(train_ds, consumed_train), "valid": loaders(valid_ds, consumed_valid),
-            "test": loaders(test_ds, 0)}
-
-
-def build_context(cfg: RunConfig, pstate: ParallelState) -> TrainingContext:
-    """The tokenizer and the values derived from it, computed once for the whole run."""
-    from megatron.core.tokenizer import build_tokenizer
-
-    d = cfg.data
-    try:
-        tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                    tokenizer_model=d.tokenizer_model)
-    except (ValueError, OSError) as exc:
-        raise SharedError(f"--tokenizer-type {d.tokenizer_type}: {exc}") from None
-    padded = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, pstate.tp_size)
-    print_rank_0(f"> vocabulary {tokenizer.vocab_size} padded to {padded}")
-    return TrainingContext(config=cfg, pstate=pstate, tokenizer=tokenizer, padded_vocab_size=padded,
-                           eod_id=tokenizer.eod)
-
-
-def _check_checkpoint_folders(ck):
-    """Start-up checks of --load and --save, before any model is built: a --load folder that does not exist is
-    an error (an existing folder without a checkpoint still means "start from scratch"); --save must be writable
-    (every rank probes: each may write on its own mount) and is locked against a second run (rank 0 holds the
-    lock until exit)."""
-    if ck.load and not os.path.isdir(ck.load):
-        raise SharedError(f"--load folder {ck.load} does not exist (to start from scratch, create it or leave "
-                          "--load out)")
-    if ck.save:
-        cfold.check_save_dir_writable(ck.save)
-        lock = acquire_for_job(ck.save)
-        if lock is not None and lock.note:
-            print_rank_0(f"> {lock.note}")
-        return lock
-    return None
 
 
 def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_provider: Callable,
@@ -465,80 +315,32 @@ def pretrain(model_provider: Callable, forward_step_func: Callable, datasets_pro
     datasets; ``ctx`` is a ``TrainingContext``. ``extra_sections``: the entry point's own ``ExtraSection`` s.
     """
     start_time = time.time()
-    cfg, notes = parse_config(argv, world_size=world_size_from_env(), extra_sections=extra_sections)
-    if wants_dry_run(sys.argv[1:] if argv is None else argv):
-        raise ConfigError("--dry-run is answered by an entry point before training (pretrain_gpt.py, "
-                          "pretrain_bert.py); this one has none")
-    if _env_rank() == 0:
-        for note in notes:
-            print(note, flush=True)
-    if cfg.training.exit_signal_handler:  # from the start: a signal during start-up stops after iteration 1
-        signals.install(cfg.training.exit_signal)
-    heartbeat = None
-    try:
-        initialize_distributed(cfg.parallel)
-        par, t = cfg.parallel, cfg.training
-        import datetime
-
-        pstate = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                     par.virtual_pipeline_model_parallel_size,
-                                     timeout=datetime.timedelta(minutes=par.distributed_timeout_minutes))
-        print_rank_0(f"> {pstate.describe()}, {t.num_microbatches} microbatches of {t.micro_batch_size} "
-                     f"per step, global batch {t.global_batch_size}")
-        heartbeat = watchdog.start_heartbeat(par.distributed_timeout_minutes, par.distributed_backend)
-        run_lock = _check_checkpoint_folders(cfg.checkpointing)
-        try:
-            return _train(cfg, pstate, model_provider, forward_step_func, datasets_provider, start_time)
-        finally:
-            if run_lock is not None:  # an in-process caller may start another run on the same --save
-                run_lock.release()
-    except BaseException:
-        heartbeat = None  # beats on: after a timeout, main_entry reads the other ranks' heartbeats
-        raise
-    finally:
-        signals.release()
-        if heartbeat is not None:
-            heartbeat.stop()
+    with job_environment(argv, extra_sections) as (cfg, pstate):
+        return _train(cfg, pstate, model_provider, forward_step_func, datasets_provider, start_time)
 
 
 def _train(cfg: RunConfig, pstate: ParallelState, model_provider: Callable, forward_step_func: Callable,
            datasets_provider: Callable, start_time: float) -> dict:
-    par, t = cfg.parallel, cfg.training
+    t, ck = cfg.training, cfg.checkpointing
     # Megatron offsets the seed per pipeline stage so different stages draw independent dropout masks.
     tensor_parallel.model_parallel_seed(t.seed + 100 * pstate.pp_rank, pstate)
     ctx = build_context(cfg, pstate)
-
-    raw_chunks = model_provider(ctx)
-    ddp_cfg = DDPConfig(overlap_grad_reduce=par.overlap_grad_reduce,
-                        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                        bucket_size=par.ddp_bucket_size)
-    model = [DistributedDataParallel(chunk, pstate=pstate, config=ddp_cfg) for chunk in raw_chunks]
-    n_params = sum(p.numel() for chunk in raw_chunks for p in chunk.parameters())
-    print_rank_0(f"> parameters on (tensor, pipeline) rank ({pstate.tp_rank}, {pstate.pp_rank}): {n_params:,}")
-
+    model = build_model(cfg, pstate, model_provider(ctx))
     flops = num_floating_point_operations(cfg.model, ctx.padded_vocab_size, t.global_batch_size)
     trainer = Trainer(cfg, pstate, model, functools.partial(forward_step_func, ctx), {}, flops)
     from megatron.core.optimizer import optimizer_memory_report
 
     report = optimizer_memory_report(trainer.optimizer, model)
     print_rank_0("> memory per rank (bytes): " + ", ".join(f"{k} {v:,}" for k, v in report.items()))
-    ck = cfg.checkpointing
-    if ck.load and checkpointing.latest_iteration(ck.load) is not None:
-        trainer.iteration, trainer.consumed_train_samples = checkpointing.load_checkpoint(
-            model, trainer.optimizer, trainer.scheduler, ck, pstate)
-        print_rank_0(f"> loaded checkpoint from {ck.load} at iteration {trainer.iteration}")
-    elif ck.load and ck.exit_on_missing_checkpoint:
-        raise SharedError(f"--exit-on-missing-checkpoint: no checkpoint in --load {ck.load}")
-    elif ck.load:
-        print_rank_0(f"> no checkpoint found in {ck.load}; starting from scratch")
-
+    trainer.iteration, trainer.consumed_train_samples = load_checkpoint_if_any(
+        ck, model, trainer.optimizer, trainer.scheduler, pstate)
     consumed_valid = (trainer.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
     # A DataLoader iterator draws its base seed from the global torch generator; building the iterators inside
     # fork_rng leaves the generator where initialisation (or the checkpoint's RNG state) put it, so dropout
     # masks after a resume are those of an uninterrupted run.
     with torch.random.fork_rng(devices=[]):
         trainer.iterators = build_iterators(ctx, datasets_provider, trainer.consumed_train_samples,
-                                             consumed_valid, len(model))
+                                            consumed_valid, len(model))
     trainer.downstream = build_downstream_evaluator(cfg, ctx.tokenizer, model, pstate)
     if trainer.downstream is not None:
         print_rank_0(f"> zero-shot tasks at every evaluation: {trainer.downstream.describe()}")
@@ -563,41 +365,3 @@ def _train(cfg: RunConfig, pstate: ParallelState, model_provider: Callable, forw
     summary["test"] = trainer.evaluate("test", "test")
     trainer.tb.close()
     return summary
-
-
-def main_entry(run: Callable[[], object]) -> None:
-    """Run an entry point; configuration, data and checkpoint errors end the process with status 2 and one line.
-
-    An error every rank shares (``SharedError``: flags, rank 0's data errors, a non-finite loss) is printed by
-    rank 0 only; the other ranks wait a moment before exiting so that a launcher stopping the job on the first
-    exit does not cut rank 0 off before it prints.
-    """
-    try:
-        run()
-        if dist.is_initialized():
-            _sync()
-            dist.barrier()  # no rank tears its process group down while a peer still communicates
-    except SharedError as exc:
-        if _env_rank() == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(3.0)
-        _exit(2)
-    except (ValueError, cio.CheckpointIOError, RunLockError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        _exit(2)
-    except RuntimeError as exc:
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-            raise
-        print(f"error: {watchdog.describe_timeout(_env_rank(), str(exc).splitlines()[0])}", file=sys.stderr,
-              flush=True)
-        _exit(1)
-    finally:
-        watchdog.stop_heartbeat()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.exit(code)

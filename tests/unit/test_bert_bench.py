@@ -42,7 +42,7 @@ def test_peer_reads_the_batches_pretrain_bert_reads(sentence_data):
     from megatron.core.datasets.samplers import build_pretraining_data_loader
     from megatron.core.parallel_state import ParallelState
     from megatron.training.arguments import parse_config
-    from megatron.training.training import build_context
+    from megatron.training.setup import build_context
 
     bench, corpus = _bench()
     prefix, vocab = sentence_data

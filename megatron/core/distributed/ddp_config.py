@@ -19,9 +19,6 @@ class DDPConfig:
     bucket_size: elements per bucket (``--ddp-bucket-size``); ``None`` puts every parameter in one bucket.
     average_in_collective: average with the collective itself (``ReduceOp.AVG``, NCCL only) instead of
         pre-dividing the buffer by the data-parallel size.
-    lazy_grad_zero: do not clear the grad buffer between iterations; each parameter's first gradient overwrites
-        its stale range and the ranges no backward wrote are zeroed before the reduction
-        (``megatron/core/grad_record.py``). ``False`` clears the whole buffer in ``zero_grad_buffer``.
     """
 
     grad_reduce_in_fp32: bool = True
@@ -29,7 +26,6 @@ class DDPConfig:
     use_distributed_optimizer: bool = False
     bucket_size: Optional[int] = None
     average_in_collective: bool = False
-    lazy_grad_zero: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and self.bucket_size < 1:

@@ -9,9 +9,8 @@ Gradient life cycle of one iteration::
     last microbatch                 with overlap_grad_reduce: each bucket launches its async reduction as
                                     soon as all its params' hooks fired
     finish_grad_sync()              launch what was not launched, wait for everything
-    zero_grad_buffer()              mark every main grad zero for the next iteration (each first gradient is
-                                    written, not added); the buffer itself is cleared only without lazy
-                                    zeroing (grad_buffer.py)
+    zero_grad_buffer()              clear the buffer and mark every main grad zero for the next iteration
+                                    (each first gradient is then written, not added; grad_record.py)
 
 The reduction is a mean over the data-parallel group: an all-reduce, or a reduce-scatter under the
 distributed optimizer (DP rank r then holds the reduced grads of its shard; see ``grad_buffer.py``).
@@ -123,22 +122,14 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._sync_enabled = previous
 
-    def settle_unwritten_grads(self) -> None:
-        """Zero the main grads that no backward wrote in this iteration (a parameter the iteration did not use;
-        with lazy zeroing they may hold stale values): before anything reduces or reads the buffer."""
-        for buf in self.buffers:
-            buf.settle_unwritten_grads()
-
     def start_grad_sync(self) -> None:
         """Launch the asynchronous DP reduction of every bucket not yet launched."""
-        self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
                 buf.start_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket not yet launched and wait for all reductions (mean over DP)."""
-        self.settle_unwritten_grads()
         for buf in self.buffers:
             for bucket in buf.buckets:
                 buf.finish_bucket_grad_sync(bucket, self.dp_group, self._use_avg)
@@ -164,12 +155,11 @@ class DistributedDataParallel(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and forget per-iteration bucket state.
 
-        Each parameter's record is marked zero: the first gradient of the iteration is then written into
-        ``main_grad`` instead of added, which clears the mark. With ``DDPConfig.lazy_grad_zero`` that mark is all
-        that happens here (``grad_buffer.py``); otherwise the buffer is cleared too.
+        Each parameter's record is marked zero too: the first gradient of the iteration is then written into
+        ``main_grad`` instead of added, which clears the mark (``grad_record.py``).
         """
         for buf in self.buffers:
-            buf.zero_grads(lazy=self.config.lazy_grad_zero)
+            buf.zero_grads()
             for bucket in buf.buckets:
                 bucket.ready.clear()
         for p in self.param_to_buffer:

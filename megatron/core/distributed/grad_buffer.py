@@ -10,11 +10,8 @@ of ``128 * dp_size`` elements and DP rank ``r`` owns the contiguous range
 1/DP range of the buffer); a parameter that crosses a shard boundary is split by element range.
 
 Each parameter's range is its ``main_grad``, held with its zero state in the parameter's gradient record
-(``megatron/core/grad_record.py``). With lazy zeroing (``DDPConfig.lazy_grad_zero``) the buffer is not cleared
-between iterations: the ranges keep the last iteration's values while their records say they count as zero, and
-every writer then writes instead of adding; a range still unwritten when the reduction starts is zeroed then
-(``DistributedDataParallel.settle_unwritten_grads``). The padding is zero from the start and nothing writes it
-but reductions of zeros.
+(``megatron/core/grad_record.py``); ``zero_grads`` clears the buffer and marks every record zero at the start of an
+iteration. The padding is zero from the start and nothing writes it but reductions of zeros.
 """
 
 from __future__ import annotations
@@ -106,20 +103,12 @@ class GradBuffer:
             self.buckets.append(Bucket(len(self.buckets), params_b, s, e, self.grad_data[s:e], pd))
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
 
-    def zero_grads(self, lazy: bool) -> None:
-        """Mark every main grad zero for a new iteration; unless ``lazy``, also clear the buffer (module
-        docstring)."""
-        if not lazy:
-            self.grad_data.zero_()
+    def zero_grads(self) -> None:
+        """Clear the buffer and mark every main grad zero for a new iteration (the zero rule of
+        ``grad_record.py``)."""
+        self.grad_data.zero_()
         for record in self.records:
             record.is_zero = True
-
-    def settle_unwritten_grads(self) -> None:
-        """Zero the main grads still marked zero (no backward wrote them in this iteration), so the buffer can be
-        reduced and read; they stay marked zero."""
-        unwritten = [record.main_grad for record in self.records if record.is_zero]
-        if unwritten:
-            torch._foreach_zero_(unwritten)
 
     def _pad(self, n: int) -> int:
         return align_up(n, _SHARD_ALIGN * self.dp_size if self.sharded else PARAM_ALIGN)

@@ -8,15 +8,12 @@ three passes of the eager PyTorch composition, and saves less for backward:
   from the current CUDA generator (so the tensor-parallel RNG tracker and activation recomputation, which
   restore generator states, reproduce the same mask).
 
-It also holds ``column_sum``, the bias gradient of a linear layer (column sums of a ``[tokens, n]`` gradient),
-in one launch: a few programs per multiprocessor, each summing many row tiles of one column block in fp32
-registers into one row of a small partial array; the last program of a column block to finish (an arrival
-counter per block, ``_finish_if_last``) adds that block's partial rows in a fixed order and casts. PyTorch's
-``x.sum(0)`` is further from memory bandwidth on these shapes (bench/results/kernel_sweep.md). The bias+GeLU
-backward finishes its bias gradient the same way.
-
-Switch: ``FINISH_IN_LAST_PROGRAM`` (read at every call) set to False finishes those sums in a separate launch
-of ``_colsum_finish_kernel`` instead (``sum_partial_rows``), for an A/B of the arrival counter.
+It also holds ``column_sum``, the bias gradient of a linear layer (column sums of a ``[tokens, n]`` gradient):
+a few programs per multiprocessor, each summing many row tiles of one column block in fp32 registers into one
+row of a small partial array, then a second small launch (``sum_partial_rows``) that adds the partial rows in a
+fixed order and casts. PyTorch's ``x.sum(0)`` is further from memory bandwidth on these shapes
+(bench/results/kernel_sweep.md). The bias+GeLU and dropout backward kernels and the LayerNorm backward finish
+their parameter gradients with the same ``sum_partial_rows``.
 
 Import this module only when ``triton`` is importable; ``ops.py`` decides when to use it.
 """
@@ -29,8 +26,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
-from megatron.core.grad_record import reduce_into_sink, sink_output, sink_result
 
 # Tiles: BLOCK_M rows x BLOCK_N columns of the tensor viewed as [M, N] (N = last dimension). Each program walks
 # ROW_TILES row tiles of one column block, so the bias is loaded once and bias-gradient partial sums stay in
@@ -48,7 +43,6 @@ TILE_CONFIG = {
 # blocks; each walks its share of the row tiles. Several programs per multiprocessor keep enough loads in
 # flight; bench/kernel_sweep.py --only colsum times the alternatives (results in bench/results/kernel_sweep.md).
 COLSUM_CONFIG = {"block_m": 16, "block_n": 64, "num_warps": 8, "programs_per_sm": 4}
-FINISH_IN_LAST_PROGRAM = True  # False: a separate finishing launch (module docstring)
 # The finishing kernel: columns per program and partial rows per load (the partial array has at most
 # programs_per_sm x multiprocessors rows, that many only when n fits in one column block).
 _COLSUM_FINISH_BLOCK_N = 32
@@ -106,13 +100,11 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, EVEN
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, DB_OUT, COUNTER, M, N, ROW_TILES, R, HAS_BIAS: tl.constexpr,
-                          ACCUMULATE: tl.constexpr, FINISH: tl.constexpr, EVEN: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """DX = DY * gelu'(X + B) with gelu'(z) = Phi(z) + z * phi(z); DB_PART[program row] = column sums of DX, and
-    the last of a column block's R programs writes their total to DB_OUT (``_finish_if_last``; ACCUMULATE: added
-    to the fp32 DB_OUT; FINISH False: the caller finishes with ``sum_partial_rows``). EVEN as in the forward
-    kernel (unmasked loads and stores)."""
+def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, M, N, ROW_TILES, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """DX = DY * gelu'(X + B) with gelu'(z) = Phi(z) + z * phi(z); DB_PART[program row] = column sums of DX (the
+    caller finishes them with ``sum_partial_rows``). EVEN as in the forward kernel (unmasked loads and
+    stores)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_BIAS:
@@ -142,8 +134,6 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, DB_OUT, COUNTER, M, N, ROW_TILE
             acc += dx
     if HAS_BIAS:
         tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
-        if FINISH:
-            _finish_if_last(DB_PART, DB_OUT, COUNTER, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,13 +163,9 @@ def _even(grid, per_program: int, meta: dict, m: int, n: int) -> bool:
 
 
 @triton.jit
-def _colsum_partial_kernel(X, PART, OUT, COUNTER, M, N, ROW_TILES, R, ACCUMULATE: tl.constexpr,
-                           FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_R: tl.constexpr):
+def _colsum_partial_kernel(X, PART, M, N, ROW_TILES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """PART[g, cols] = sum of X[rows, cols] over the row tiles g*ROW_TILES .. (g+1)*ROW_TILES - 1 of column
-    block program_id(0) (g = program_id(1)), for a contiguous X [M, N]; fp32 sums, stored in PART's dtype
-    (ACCUMULATE, one row group only: added to PART's fp32 values). FINISH: the last of the R row groups of a
-    column block writes the block's total to OUT (``_finish_if_last``; ACCUMULATE then means adding to OUT)."""
+    block program_id(0) (g = program_id(1)), for a contiguous X [M, N]; fp32 sums, stored in PART's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     first = tl.program_id(1) * ROW_TILES
@@ -189,81 +175,32 @@ def _colsum_partial_kernel(X, PART, OUT, COUNTER, M, N, ROW_TILES, R, ACCUMULATE
         mask = (rows < M)[:, None] & cmask[None, :]
         acc += tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     total = tl.sum(acc, axis=0)
-    if ACCUMULATE and not FINISH:
-        total += tl.load(PART + cols, mask=cmask, other=0.0)
     tl.store(PART + tl.program_id(1).to(tl.int64) * N + cols, total.to(PART.dtype.element_ty), mask=cmask)
-    if FINISH:
-        _finish_if_last(PART, OUT, COUNTER, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N)
 
 
 @triton.jit
-def _sum_rows(PART, OUT, R, N, cols, cmask, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-              BYPASS_L1: tl.constexpr):
+def _sum_rows(PART, OUT, R, N, cols, cmask, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """OUT[cols] = sum over the R rows of the fp32 PART [R, N] (BLOCK_R rows per load, then a tree over them),
-    cast to OUT's dtype (ACCUMULATE: added to the fp32 OUT)."""
+    cast to OUT's dtype."""
     acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
     for r0 in range(0, R, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < R)[:, None] & cmask[None, :]
-        if BYPASS_L1:
-            acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0,
-                           cache_modifier=".cg")
-        else:
-            acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        acc += tl.load(PART + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
-    if ACCUMULATE:
-        total += tl.load(OUT + cols, mask=cmask, other=0.0)
     tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def _colsum_finish_kernel(PART, OUT, PART2, OUT2, R, N, ACCUMULATE: tl.constexpr, ACCUMULATE2: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _colsum_finish_kernel(PART, OUT, PART2, OUT2, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """OUT[cols] = sum over the R rows of the fp32 PART [R, N] (``_sum_rows``); the programs with
     program_id(1) == 1 do the same for PART2 / OUT2 (a LayerNorm's two parameters in one launch)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if tl.program_id(1) == 0:
-        _sum_rows(PART, OUT, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N, False)
+        _sum_rows(PART, OUT, R, N, cols, cmask, BLOCK_R, BLOCK_N)
     else:
-        _sum_rows(PART2, OUT2, R, N, cols, cmask, ACCUMULATE2, BLOCK_R, BLOCK_N, False)
-
-
-@triton.jit
-def _finish_if_last(PART, OUT, COUNTER, R, N, cols, cmask, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """Called by every program of column block program_id(0) after it stored its partial row of PART [R, N]: the
-    last of the block's R programs to arrive adds up the R rows in a fixed order (deterministic, as
-    ``_colsum_finish_kernel``), into OUT[cols] (ACCUMULATE: added to the fp32 OUT) and re-arms the block's
-    counter: one launch less than finishing with ``sum_partial_rows``.
-
-    Triton runs a scalar atomic in one thread after a barrier of the program, so its release orders every
-    thread's partial-row stores before the count, and its acquire orders the last program's loads after it
-    (the pattern of a grid-wide barrier). The loads bypass L1 (.cg)."""
-    arrived = tl.atomic_add(COUNTER + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-    if arrived == R - 1:
-        _sum_rows(PART, OUT, R, N, cols, cmask, ACCUMULATE, BLOCK_R, BLOCK_N, True)
-        tl.atomic_xchg(COUNTER + tl.program_id(0), 0)
-
-
-_COUNTERS: dict = {}
-_OUTGROWN_COUNTERS: list = []  # arrays replaced by larger ones: a captured CUDA graph may still use them
-
-
-def _block_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for ``_finish_if_last``, one per column block. One array per device and
-    stream, kept and reused: each finishing program sets its counter back to zero, and kernels of one stream
-    run one after another. An outgrown array is kept alive, never freed, so that a CUDA graph that captured it
-    does not replay into memory the allocator has handed to another tensor."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < blocks:
-        if counters is not None:
-            _OUTGROWN_COUNTERS.append(counters)
-        counters = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
+        _sum_rows(PART2, OUT2, R, N, cols, cmask, BLOCK_R, BLOCK_N)
 
 
 def _colsum_launch(m: int, n: int, device: torch.device):
@@ -280,79 +217,56 @@ def _colsum_launch(m: int, n: int, device: torch.device):
     return col_blocks, triton.cdiv(row_tiles, per_program), per_program
 
 
-def _check_out(out: Optional[torch.Tensor], n: int, device: torch.device, accumulate: bool) -> None:
-    """An ``out`` given to a column sum: a contiguous ``[n]`` tensor on ``device``, fp32 when added to."""
-    if out is not None and (out.shape != (n,) or not out.is_contiguous() or out.device != device
-                            or (accumulate and out.dtype != torch.float32)):
-        raise ValueError(f"out must be a contiguous [{n}] tensor on {device} (fp32 to accumulate into), got "
-                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
-
-
-def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None,
-                     accumulate: bool = False) -> torch.Tensor:
+def sum_partial_rows(part: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``part.sum(0)`` cast to ``out_dtype`` for a contiguous fp32 ``[rows, n]`` array of per-program partial
     sums (the bias-gradient and LayerNorm weight-gradient partials of the backward kernels): one launch of the
-    finishing kernel instead of PyTorch's reduction and a cast. With ``out`` (e.g. a parameter's ``main_grad``)
-    the sums are stored into it, added to its fp32 values with ``accumulate``; returns the output."""
+    finishing kernel instead of PyTorch's reduction and a cast."""
     rows, n = part.shape
-    _check_out(out, n, part.device, accumulate)
-    out = torch.empty(n, dtype=out_dtype, device=part.device) if out is None else out
+    out = torch.empty(n, dtype=out_dtype, device=part.device)
     if n:
         _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N), 1)](
-            part, out, part, out, rows, n, ACCUMULATE=accumulate, ACCUMULATE2=False,
-            BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
+            part, out, part, out, rows, n, BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N,
+            num_warps=4)
     return out
 
 
-def sum_partial_rows_pair(part: torch.Tensor, out: torch.Tensor, accumulate: bool, part2: torch.Tensor,
-                          out2: torch.Tensor, accumulate2: bool) -> None:
-    """``out = part.sum(0)`` and ``out2 = part2.sum(0)`` (added to them with ``accumulate`` / ``accumulate2``,
-    fp32 outputs only then) for two contiguous fp32 ``[rows, n]`` partial arrays of one shape, in one launch;
-    ``out`` / ``out2`` come from ``grad_record.sink_output``."""
+def sum_partial_rows_pair(part: torch.Tensor, out_dtype: torch.dtype, part2: torch.Tensor,
+                          out_dtype2: torch.dtype):
+    """``(part.sum(0), part2.sum(0))`` cast to ``out_dtype`` / ``out_dtype2``, for two contiguous fp32
+    ``[rows, n]`` partial arrays of one shape, in one launch."""
     rows, n = part.shape
     if part2.shape != part.shape:
         raise ValueError(f"sum_partial_rows_pair: shapes {tuple(part.shape)} and {tuple(part2.shape)} differ")
-    _check_out(out, n, part.device, accumulate)
-    _check_out(out2, n, part.device, accumulate2)
+    out = torch.empty(n, dtype=out_dtype, device=part.device)
+    out2 = torch.empty(n, dtype=out_dtype2, device=part.device)
     if n:
         _colsum_finish_kernel[(triton.cdiv(n, _COLSUM_FINISH_BLOCK_N), 2)](
-            part, out, part2, out2, rows, n, ACCUMULATE=accumulate, ACCUMULATE2=accumulate2,
-            BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N, num_warps=4)
+            part, out, part2, out2, rows, n, BLOCK_R=_COLSUM_FINISH_BLOCK_R, BLOCK_N=_COLSUM_FINISH_BLOCK_N,
+            num_warps=4)
+    return out, out2
 
 
-def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None,
-               accumulate: bool = False) -> torch.Tensor:
+def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Sums of the [m, n] tensor ``x2d`` over its rows (``x2d.sum(0)``), accumulated in fp32 and returned as an
     [n] tensor of ``out_dtype``; m == 0 gives zeros. Deterministic (no atomics): each row group's fp32 partial
-    sums go to one row of a [row groups, n] array, and the last program of each column block to finish adds
-    those rows up in a fixed order (``_finish_if_last``); with one row group the sums go straight to the
-    output. With ``out`` (a contiguous ``[n]`` tensor, e.g. a parameter's ``main_grad``) the sums are stored
-    into it, added to its fp32 values with ``accumulate``; returns the output."""
+    sums go to one row of a [row groups, n] array, which ``sum_partial_rows`` adds up in a fixed order; with one
+    row group the sums go straight to the output."""
     if x2d.dim() != 2:
         raise ValueError(f"column_sum expects a 2-D tensor, got shape {tuple(x2d.shape)}")
     m, n = x2d.shape
-    _check_out(out, n, x2d.device, accumulate)
-    out = torch.empty(n, dtype=out_dtype, device=x2d.device) if out is None else out
     if n == 0 or m == 0:
-        return out if accumulate else out.zero_()
+        return torch.zeros(n, dtype=out_dtype, device=x2d.device)
     x2d = x2d.contiguous()
     col_blocks, row_groups, per_program = _colsum_launch(m, n, x2d.device)
     meta = dict(BLOCK_M=COLSUM_CONFIG["block_m"], BLOCK_N=COLSUM_CONFIG["block_n"],
                 num_warps=COLSUM_CONFIG["num_warps"])
     if row_groups == 1:
-        _colsum_partial_kernel[(col_blocks, 1)](x2d, out, out, out, m, n, per_program, 1, ACCUMULATE=accumulate,
-                                                FINISH=False, BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
+        out = torch.empty(n, dtype=out_dtype, device=x2d.device)
+        _colsum_partial_kernel[(col_blocks, 1)](x2d, out, m, n, per_program, **meta)
         return out
     part = torch.empty((row_groups, n), dtype=torch.float32, device=x2d.device)
-    if not FINISH_IN_LAST_PROGRAM:
-        _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, part, part, m, n, per_program, row_groups,
-                                                         ACCUMULATE=False, FINISH=False,
-                                                         BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
-        return sum_partial_rows(part, out_dtype, out, accumulate)
-    _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, out, _block_counters(x2d.device, col_blocks), m, n,
-                                                     per_program, row_groups, ACCUMULATE=accumulate, FINISH=True,
-                                                     BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
-    return out
+    _colsum_partial_kernel[(col_blocks, row_groups)](x2d, part, m, n, per_program, **meta)
+    return sum_partial_rows(part, out_dtype)
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -369,7 +283,7 @@ class BiasGeLUFunction(torch.autograd.Function):
             grid, tiles, meta = _launch("gelu_fwd", m, n, x.device)
             _bias_gelu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, n, tiles,
                                         HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
-        ctx.has_bias, ctx.bias_param = bias is not None, bias
+        ctx.has_bias = bias is not None
         ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
         return y
 
@@ -379,14 +293,12 @@ class BiasGeLUFunction(torch.autograd.Function):
             x, bias = ctx.saved_tensors
         else:
             (x,), bias = ctx.saved_tensors, None
-        return bias_gelu_backward(dy, x, bias, ctx.bias_param)
+        return bias_gelu_backward(dy, x, bias)
 
 
-def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
-                       bias_param: Optional[torch.Tensor] = None):
-    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dy``, in one Triton pass. ``bias_param``: the
-    bias Parameter, whose gradient goes into its ``main_grad`` when its layer declared it a gradient sink
-    (``megatron/core/grad_record.py``; dbias is then None)."""
+def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dy``: one Triton pass writes dx and the bias-grad
+    partials, ``sum_partial_rows`` finishes dbias."""
     x = x.contiguous()
     dy = dy.contiguous()
     dx = torch.empty_like(x)
@@ -395,21 +307,11 @@ def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.T
     dbias = None
     if m and n:
         grid, tiles, meta = _launch("gelu_bwd", m, n, x.device)
-        finish = FINISH_IN_LAST_PROGRAM
+        part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device) if bias is not None else x
+        _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, n, tiles,
+                                    HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
         if bias is not None:
-            part = torch.empty((grid[1], n), dtype=torch.float32, device=x.device)
-            out, acc = sink_output(bias_param, n, bias.dtype, x.device)
-            counters = _block_counters(x.device, grid[0]) if finish else part
-        else:
-            part = out = counters = x
-            acc = False
-        _bias_gelu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, out, counters, m, n, tiles,
-                                    grid[1], HAS_BIAS=bias is not None, ACCUMULATE=acc, FINISH=finish,
-                                    EVEN=_even(grid, tiles, meta, m, n), BLOCK_R=_COLSUM_FINISH_BLOCK_R, **meta)
-        if bias is not None:
-            if not finish:
-                sum_partial_rows(part, bias.dtype, out, acc)
-            dbias = sink_result(bias_param, out)
+            dbias = sum_partial_rows(part, bias.dtype)
     elif bias is not None:
         dbias = torch.zeros_like(bias)
     return dx, dbias
@@ -498,7 +400,6 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         ctx.dropout, ctx.prob, ctx.scale = dropout, float(prob), scale
         ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.bias_param = bias
         return out
 
     @staticmethod
@@ -516,16 +417,14 @@ class BiasDropoutAddFunction(torch.autograd.Function):
             # (closer to memory bandwidth than PyTorch's dout.sum(0), and than the dropout kernel with
             # WRITE_DX=False, whose partial array is large)
             if has_bias:
-                dbias = reduce_into_sink(ctx.bias_param, lambda out, acc: column_sum(dout.reshape(m, n),
-                                                                                     ctx.bias_dtype, out, acc))
+                dbias = column_sum(dout.reshape(m, n), ctx.bias_dtype)
         elif m and n:
             grid, tiles, meta = _launch("dropout_bwd", m, n, dout.device)
             part = torch.empty((grid[1], n), dtype=torch.float32, device=dout.device) if has_bias else dout
             _dropout_bwd_kernel[grid](dout, dz, part, seed if seed is not None else dout, m, n, tiles, ctx.prob,
                                       ctx.scale, DROPOUT=ctx.dropout, WRITE_DX=write_dx, HAS_BIAS=has_bias, **meta)
             if has_bias:
-                dbias = reduce_into_sink(ctx.bias_param,
-                                         lambda out, acc: sum_partial_rows(part, ctx.bias_dtype, out, acc))
+                dbias = sum_partial_rows(part, ctx.bias_dtype)
         elif has_bias:
             dbias = torch.zeros(n, dtype=ctx.bias_dtype, device=dout.device)
         dres = dout if dout.dtype == ctx.r_dtype else dout.to(ctx.r_dtype)

@@ -8,8 +8,7 @@ Forward: mean and variance in fp32 from a single load of each row; saves the inp
 (8 bytes a row), never the normalised output.
 Backward: each program walks a contiguous run of row tiles, writes dx and accumulates dgamma/dbeta partial sums
 in fp32 registers; the partials ([programs, h]) of both parameters are summed by one launch of the finishing
-kernel (``sum_partial_rows_pair``), into the parameters' ``main_grad`` when they are gradient sinks
-(``megatron/core/grad_record.py``).
+kernel (``sum_partial_rows_pair``).
 
 With ``zero_centered_gamma`` the stored weight is ``gamma - 1`` and the kernel adds the 1 itself (the gradient
 with respect to the stored weight equals the gradient with respect to gamma).
@@ -28,7 +27,6 @@ import triton
 import triton.language as tl
 
 from megatron.core.fusions._triton_elementwise import sm_count, sum_partial_rows, sum_partial_rows_pair
-from megatron.core.grad_record import reduce_into_sink, sink_output, sink_result
 
 _MAX_BLOCK_N = 8192  # whole rows per tile: wider rows use PyTorch's kernel
 
@@ -136,7 +134,6 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.has_bias, ctx.zero_centered = bias is not None, bool(zero_centered_gamma)
         ctx.block_n, ctx.shape = block_n, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.params = (weight, bias)  # the Parameters: their gradient may go to a sink (grad_record.py)
         return (y.view(x.shape), x.view_as(x)) if residual_out else y.view(x.shape)
 
     @staticmethod
@@ -160,13 +157,8 @@ class LayerNormFunction(torch.autograd.Function):
                                     db_part, m, n, tiles, ZERO_CENTERED=ctx.zero_centered, HAS_BIAS=ctx.has_bias,
                                     HAS_RES=dres2 is not None, BLOCK_M=block_m, BLOCK_N=ctx.block_n,
                                     num_warps=warps)
-        w_param, b_param = ctx.params
         if ctx.has_bias:  # gamma's and beta's gradients finished in one launch
-            dw_out, dw_acc = sink_output(w_param, n, weight.dtype, x2.device)
-            db_out, db_acc = sink_output(b_param, n, ctx.bias_dtype, x2.device)
-            sum_partial_rows_pair(dw_part, dw_out, dw_acc, db_part, db_out, db_acc)
-            dw, db = sink_result(w_param, dw_out), sink_result(b_param, db_out)
+            dw, db = sum_partial_rows_pair(dw_part, weight.dtype, db_part, ctx.bias_dtype)
         else:
-            dw = reduce_into_sink(w_param, lambda out, acc: sum_partial_rows(dw_part, weight.dtype, out, acc))
-            db = None
+            dw, db = sum_partial_rows(dw_part, weight.dtype), None
         return dx.view(ctx.shape), dw, db, None, None, None

@@ -315,7 +315,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         y, saved = fprop(x2, weight, bias, margin, keep_x=keep_x, sites=sites)
         ctx.sites = sites
         ctx.save_for_backward(*(t for t in saved if t is not None))
-        ctx.keep_x, ctx.weight, ctx.bias = keep_x, weight, bias
+        ctx.keep_x, ctx.weight = keep_x, weight
         ctx.fp8_format, ctx.margin, ctx.accumulate, ctx.has_bias = fp8_format, margin, accumulate, bias is not None
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -327,7 +327,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = bprop(dy2, saved, ctx.fp8_format, ctx.margin, need_dx, need_dw,
                        accumulate_into=ctx.weight if ctx.accumulate else None, sites=ctx.sites)
-        dbias = bias_grad(dy2, bias_param=ctx.bias) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dbias = bias_grad(dy2) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dx = dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None
         return dx, (dw.to(ctx.weight.dtype) if dw is not None else None), dbias, None, None, None, None
 

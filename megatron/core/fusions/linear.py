@@ -29,7 +29,7 @@ from megatron.core.grad_record import fused_target, store_grad
 def accumulate_wgrad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
     """``weight.main_grad += dy2^T @ x2`` with fp32 accumulation and output (one GEMM when the build supports
     out_dtype), or ``=`` while the slice is marked zero (``grad_record.store_grad``: the GEMM then writes and
-    never reads the buffer, which may hold stale values)."""
+    never reads the buffer)."""
 
     def store(main_grad: torch.Tensor, accumulate: bool) -> None:
         try:
@@ -50,7 +50,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.weight = weight  # the Parameter itself, to reach .main_grad in backward
-        ctx.has_bias, ctx.bias = bias is not None, bias
+        ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -59,7 +59,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., in]
         dy2 = dy.reshape(-1, dy.shape[-1])  # [tokens, out]
         accumulate_wgrad(ctx.weight, dy2, x.reshape(-1, x.shape[-1]))
-        dbias = bias_grad(dy2, bias_param=ctx.bias) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dbias = bias_grad(dy2) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, None, dbias
 
 

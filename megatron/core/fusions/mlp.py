@@ -28,12 +28,10 @@ def _gelu_forward(x: torch.Tensor, bias: Optional[torch.Tensor], fused: bool) ->
         return ops.bias_gelu_reference(x, bias)
 
 
-def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tensor, fused: bool,
-                   bias_param: Optional[torch.Tensor] = None):
-    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dg``; fused, the bias gradient may go into
-    ``bias_param.main_grad`` (a gradient sink, ``megatron/core/grad_record.py``; dbias is then None)."""
+def _gelu_backward(x: torch.Tensor, bias: Optional[torch.Tensor], dg: torch.Tensor, fused: bool):
+    """(dx, dbias) of gelu(x + bias) for the upstream gradient ``dg``."""
     if fused:
-        return ops.bias_gelu_backward(dg, x, bias, bias_param)
+        return ops.bias_gelu_backward(dg, x, bias)
     xd = x.detach().requires_grad_()
     bd = bias.detach().requires_grad_() if bias is not None else None
     with torch.enable_grad():
@@ -49,7 +47,7 @@ class BiasGeLULinearFunction(torch.autograd.Function):
                 fp8_sites=None):
         ctx.fused, ctx.fp8_format, ctx.fp8_margin, ctx.fp8_sites = fused, fp8_format, fp8_margin, fp8_sites
         ctx.weight, ctx.accumulate_into_main_grad = weight, accumulate_into_main_grad
-        ctx.has_bias, ctx.recompute, ctx.bias_param = bias is not None, recompute, bias
+        ctx.has_bias, ctx.recompute = bias is not None, recompute
         saved = (x, bias, weight) if bias is not None else (x, weight)
         if fp8_format is None:
             g = _gelu_forward(x, bias, fused)  # [s, b, ffn] temporary, freed after the GEMM
@@ -100,7 +98,7 @@ class BiasGeLULinearFunction(torch.autograd.Function):
                 dweight = d2.t().matmul(g2).to(weight.dtype)  # [h, ffn]
             del g, g2
             dg = dout.matmul(weight)  # [s, b, ffn]
-        dx, dbias = _gelu_backward(x, bias, dg, ctx.fused, ctx.bias_param)
+        dx, dbias = _gelu_backward(x, bias, dg, ctx.fused)
         return dx, dbias, dweight, None, None, None, None, None, None
 
 

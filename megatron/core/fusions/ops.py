@@ -16,8 +16,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.grad_record import reduce_into_sink
-
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
     from megatron.core.fusions._triton_elementwise import (BiasDropoutAddFunction, BiasGeLUFunction,
                                                            bias_gelu_backward, column_sum)
@@ -158,24 +156,14 @@ def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: Option
     return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma), x
 
 
-def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-              bias_param: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The bias gradient of ``y = x W^T + b`` for the output gradient ``dy [..., n]``: the column sums of ``dy``
     viewed as ``[-1, n]``, accumulated in fp32 and returned in ``out_dtype`` (default ``dy.dtype``).
 
-    On CUDA with Triton (and not while ``torch.compile`` traces) the one-launch Triton column sum
-    (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``. When the bias Parameter
-    ``bias_param`` is a gradient sink (``megatron/core/grad_record.py``) the fp32 sums go into its ``main_grad``
-    instead and None is returned.
+    On CUDA with Triton (and not while ``torch.compile`` traces) the Triton column sum
+    (``_triton_elementwise.column_sum``); otherwise ``bias_grad_reference``.
     """
     out_dtype = dy.dtype if out_dtype is None else out_dtype
     if HAVE_TRITON and dy.is_cuda and not torch.compiler.is_compiling():
-        return reduce_into_sink(bias_param, lambda out, acc: column_sum(_as_rows(dy), out_dtype, out, acc))
-
-    def reference(out, accumulate):
-        if out is None:
-            return bias_grad_reference(dy, out_dtype)
-        sums = bias_grad_reference(dy, torch.float32)
-        return out.add_(sums) if accumulate else out.copy_(sums)
-
-    return reduce_into_sink(bias_param, reference)
+        return column_sum(_as_rows(dy), out_dtype)
+    return bias_grad_reference(dy, out_dtype)

@@ -33,7 +33,6 @@ from megatron.core.fusions.fp8 import fp8_linear, new_sites
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 from megatron.core.fusions.mlp import bias_gelu_linear
 from megatron.core.fusions.ops import bias_gelu, bias_grad
-from megatron.core.grad_record import declare_grad_sink
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -97,7 +96,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         total = all_gather_dim0(x, group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias, ctx.bias = group, bias is not None, bias
+        ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(total, weight, bias)  # [s, b, out/tp]
 
     @staticmethod
@@ -115,7 +114,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
             total = pending_total.wait()
             grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out/tp, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = bias_grad(g2, bias_param=ctx.bias)
+            grad_b = bias_grad(g2)
         if need_x:
             grad_x = pending_grad_x.wait()  # [s/tp, b, in]
         return grad_x, grad_w, grad_b, None
@@ -193,7 +192,6 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = _empty((self.output_size_per_partition,), config)
             set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
-            declare_grad_sink(self.bias, config.gradient_accumulation_fusion)
         else:
             self.register_parameter("bias", None)
 
@@ -278,7 +276,6 @@ class RowParallelLinear(nn.Module):
             self.bias = _empty((output_size,), config)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
             self.bias.sequence_parallel = config.sequence_parallel
-            declare_grad_sink(self.bias, config.gradient_accumulation_fusion)
         else:
             self.register_parameter("bias", None)
 

@@ -9,7 +9,6 @@ import torch.nn as nn
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions import bias_dropout_add, layer_norm, layer_norm_with_residual
-from megatron.core.grad_record import declare_grad_sink
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.config import TransformerConfig
@@ -26,8 +25,6 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(h, device=dev, dtype=dt))
         for p in (self.weight, self.bias):
             p.sequence_parallel = config.sequence_parallel
-            # the fused backward stores gamma/beta gradients straight into main_grad (grad_record.py)
-            declare_grad_sink(p, config.gradient_accumulation_fusion)
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.use_fused = config.use_fused_kernels and config.layernorm_fusion

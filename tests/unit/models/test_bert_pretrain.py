@@ -209,20 +209,28 @@ def test_resume_is_bit_exact_with_dropout(vocab, tmp_path):
 
 
 @pytest.mark.parametrize("script,world", [("pretrain_bert.sh", 8), ("pretrain_bert_distributed.sh", 32)])
-def test_example_scripts_parse(script, world, vocab):
-    """The example launch scripts' flags are a valid BERT-large configuration for their GPU count."""
-    import re
-    import shlex
+def test_example_scripts_parse(script, world, vocab, tmp_path):
+    """The example launch scripts, run by bash with a ``torchrun`` that records its arguments, pass a valid
+    BERT-large configuration for their GPU count (their shared flags come from examples/bert_large_flags.sh)."""
+    import subprocess
 
     from megatron.training.arguments import parse_config
 
-    text = open(os.path.join(ROOT, "examples", script)).read()
-    body = text[text.index("pretrain_bert.py \\") + len("pretrain_bert.py \\"):].replace("\\\n", " ")
-    env = {"DATA": "corpus_text_sentence", "VOCAB": vocab, "CKPT": "ckpt"}
-    body = re.sub(r'"\$\{(\w+):-([^}]*)\}"', lambda m: env.get(m.group(1), m.group(2)), body)
-    body = re.sub(r'"\$(\w+)"', lambda m: env[m.group(1)], body)
-    argv = shlex.split(body.strip().split("\n")[0])
+    recorded = tmp_path / "torchrun_args"
+    (tmp_path / "torchrun").write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {recorded}\n')
+    (tmp_path / "torchrun").chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", DATA="corpus_text_sentence", VOCAB=vocab,
+               CKPT="ckpt", NNODES="4", NODE_RANK="0", MASTER_ADDR="localhost")
+    subprocess.run(["bash", os.path.join(ROOT, "examples", script)], env=env, check=True, cwd=tmp_path)
+    launcher_args = recorded.read_text().split("\0")[:-1]
+    argv = launcher_args[launcher_args.index("pretrain_bert.py") + 1:]
     cfg, _ = parse_config(argv, world_size=world, extra_sections=[pretrain_bert.BERT])
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (24, 1024, 16, 512)
     assert cfg.extra["bert"].bert_binary_head and cfg.extra["bert"].mask_prob == 0.15
+    # the shared block and each script's own flags both arrive
+    own = {"pretrain_bert.sh": (1, 1, 32, 10000), "pretrain_bert_distributed.sh": (2, 2, 1024, 5000)}[script]
+    par, ck = cfg.parallel, cfg.checkpointing
+    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, cfg.training.global_batch_size,
+            ck.save_interval) == own
+    assert ck.save == ck.load == "ckpt" and cfg.precision.bf16 and cfg.data.vocab_file == vocab
