@@ -148,6 +148,7 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool
     ckpt_fallback_on_corruption: bool
     keep_last_checkpoints: Optional[int]
+    ckpt_layout: str = "ours"  # "megatron": --save writes Megatron-LM's legacy layout
 
 
 @dataclass(frozen=True)

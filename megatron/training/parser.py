@@ -178,6 +178,10 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop with an error when --load holds no checkpoint (instead of starting from scratch)")
     g.add_argument("--ckpt-format", default="torch", help="checkpoint format: torch (the only format)")
+    g.add_argument("--ckpt-layout", choices=("ours", "megatron"), default="ours",
+                   help="what --save writes: ours (plain types, loads with weights_only=True) or megatron "
+                        "(Megatron-LM's legacy --ckpt-format torch files, which Megatron-LM can resume); --load "
+                        "reads both")
     g.add_argument("--ckpt-fallback-on-corruption", action="store_true",
                    help="when a file of the checkpoint to load does not match its recorded sha256, load the newest "
                         "older intact checkpoint instead of stopping")

@@ -128,20 +128,24 @@ def rng_to_megatron(ours: dict) -> list:
 
 # ---- read ---------------------------------------------------------------------------------------------------------
 def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: bool = True,
-                             load_rng: bool = True) -> LoadedCheckpoint:
+                             load_rng: bool = True, iteration: Optional[int] = None) -> LoadedCheckpoint:
     """Read a Megatron-LM legacy checkpoint folder (any TP/PP) into our layouts.
 
     Returns ``(model_state_per_rank, optimizer, scheduler, rng, iteration, consumed_samples, args_dict, extra)``:
     model state dicts without ``_extra_state`` (our module order), our trainer's optimizer state dicts (same
     precision wrapper, our parameter order), our scheduler state (iterations), our RNG state per rank.
-    A ``torch_dist`` folder gives its model weights only (``megatron_dist.read_torch_dist_checkpoint``)."""
-    iteration, iter_dir = read_tracker(root)
+    A ``torch_dist`` folder gives its model weights only (``megatron_dist.read_torch_dist_checkpoint``).
+    ``iteration``: read that one instead of the tracker's (a fallback to an older intact checkpoint)."""
+    if iteration is None:
+        iteration, iter_dir = read_tracker(root)
+    else:
+        iter_dir = os.path.join(root, f"iter_{iteration:07d}")
     if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # torch_dist: model weights only
         from megatron.core.checkpoint_formats.megatron_dist import read_torch_dist_checkpoint
 
         return read_torch_dist_checkpoint(root, family)
     files = rank_files(iter_dir)
-    models, optimizers, named, rngs = {}, {}, {}, {}
+    models, optimizers, named, rngs, fp8 = {}, {}, {}, {}, {}
     sched_raw, args, first = None, None, None
     for rank, path in sorted(files.items()):
         state = load_megatron_file(path)
@@ -170,13 +174,15 @@ def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: b
             rngs[rank] = rng_from_megatron(state["rng_state"], path)
         if sched_raw is None:
             sched_raw = state.get("opt_param_scheduler")
+        if state.get("fp8_delayed_scaling") is not None:  # our trainer's extra entry (--fp8-recipe delayed)
+            fp8[rank] = state["fp8_delayed_scaling"]
     where = files[min(files)]
     consumed = int(args.get("consumed_train_samples") or 0)
     sched = scheduler_from_megatron(sched_raw, args, where) if (load_optim and sched_raw) else None
     extra = {"format": "megatron", "megatron_scheduler": sched_raw, "optimizer_by_name": named or None,
              "checkpoint_version": first.get("checkpoint_version"),
              "num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far"),
-             "iter_dir": iter_dir}
+             "iter_dir": iter_dir, "fp8_delayed_scaling": fp8 or None}
     return LoadedCheckpoint(models, optimizers or None, sched, rngs or None, int(first.get("iteration", iteration)),
                             consumed, args, extra)
 
