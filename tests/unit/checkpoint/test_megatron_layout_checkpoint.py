@@ -1,0 +1,84 @@
+"""``--ckpt-layout megatron``: the trainer's ``save_checkpoint`` writes files Megatron-LM resumes, and our ``--load``
+reads them back exactly.
+
+The golden values (``fixtures/megatron_layout_golden.json``) were produced once by Megatron-Core 0.16.1's own
+``GPTModel``, optimizers and scheduler loading checkpoints written by this same code
+(``fixtures/make_megatron_layout_golden.py`` says how); this test needs no Megatron-Core.
+"""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.checkpoint_formats import load_megatron_file
+from megatron.core.checkpoint_formats.safe_load import PickledNamespace, to_plain
+from megatron.core.parallel_state import ParallelState
+from megatron.training import checkpointing
+from tests.unit.checkpoint.megatron_layout_case import (CASES, RESUMED, SAVE_AT, build, ckpt_config, run_and_save,
+                                                       train)
+
+GOLDEN = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "megatron_layout_golden.json")))
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_writes_what_megatron_core_resumes(case, tmp_path):
+    golden = GOLDEN["cases"][case]
+    run = run_and_save(case, str(tmp_path))
+    raw = load_megatron_file(run["path"])
+    # Megatron-LM's layout: a pickled argparse.Namespace (so not loadable with weights_only=True alone), the model
+    # with Megatron-Core's keys in its order (the strict load of its GPTModel accepted exactly these), the
+    # arguments Megatron-LM checks on resume, a per-rank RNG list, the optimizer and the sample-based scheduler
+    with pytest.raises(Exception, match="argparse.Namespace"):
+        torch.load(run["path"], weights_only=True)
+    assert isinstance(raw["args"], PickledNamespace)
+    assert list(raw["model"]) == golden["model_keys"]
+    args = to_plain(raw["args"])
+    assert {k: args.get(k) for k in golden["args"]} == golden["args"]
+    assert raw["iteration"] == SAVE_AT and raw["checkpoint_version"] == 3.0
+    assert isinstance(raw["rng_state"], list) and len(raw["rng_state"]) == 1
+    assert set(raw["rng_state"][0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state",
+                                        "rng_tracker_states"}
+    assert isinstance(raw["rng_state"][0]["np_rng_state"][1], np.ndarray)
+    if case == "bf16":
+        assert set(raw["optimizer"]) == {"optimizer", "fp32_from_fp16_params"}
+        assert [len(g) for g in raw["optimizer"]["fp32_from_fp16_params"]] == [
+            len(g["params"]) for g in raw["optimizer"]["optimizer"]["param_groups"]]
+    else:
+        assert set(raw["optimizer"]) == {"state", "param_groups"}
+    assert raw["opt_param_scheduler"]["num_steps"] == SAVE_AT * 2  # samples, global batch 2
+
+    # our --load: iteration, consumed samples, scheduler position, and the uninterrupted curve bit for bit
+    dims, model, opt, sched = build(case, seed=99)
+    assert checkpointing.load_checkpoint([model], opt, sched, ckpt_config(load=str(tmp_path)),
+                                         ParallelState.single()) == (SAVE_AT, SAVE_AT * 2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(golden["lr_after_load"], rel=1e-12)
+    ours = train(model, opt, sched, run["data"], SAVE_AT, RESUMED)
+    assert ours == run["losses_after_save"]
+    # Megatron-Core's own resume of the same file continues the same curve
+    assert golden["first_iteration"] == SAVE_AT
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(golden["losses"]), atol=TOLERANCE[case], rtol=0)
+
+    # the check can fail: without the optimizer state the curve leaves Megatron-Core's
+    dims, model, opt, sched = build(case, seed=99)
+    cfg = dataclasses.replace(ckpt_config(load=str(tmp_path)), no_load_optim=True)
+    checkpointing.load_checkpoint([model], opt, sched, cfg, ParallelState.single())
+    fresh = torch.tensor(train(model, opt, sched, run["data"], SAVE_AT, RESUMED))
+    assert (fresh - torch.tensor(golden["losses"])).abs().max() > 2 * TOLERANCE[case]
+
+
+def test_a_corrupted_megatron_layout_file_is_named(tmp_path):
+    run = run_and_save("fp32", str(tmp_path))
+    where = os.path.getsize(run["path"]) // 2  # inside a tensor's bytes: the file still unpickles
+    with open(run["path"], "r+b") as f:  # same size, one byte changed: only the manifest's hash sees it
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dims, model, opt, sched = build("fp32", seed=99)
+    with pytest.raises(checkpointing.cio.CheckpointIOError, match="model_optim_rng.pt"):
+        checkpointing.load_checkpoint([model], opt, sched, ckpt_config(load=str(tmp_path)), ParallelState.single())
