@@ -132,6 +132,7 @@ class DataConfig:
     tokenizer_model: Optional[str]
     num_workers: int
     eod_mask_loss: bool
+    vocab_size: Optional[int] = None  # NullTokenizer's --vocab-size
 
 
 @dataclass(frozen=True)
