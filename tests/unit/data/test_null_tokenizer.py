@@ -8,6 +8,8 @@ import os
 import pytest
 
 from megatron.core.datasets.builder import build_gpt_datasets
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.preprocessing import PreprocessConfig, preprocess
 from megatron.core.tokenizer import NullTokenizer, build_tokenizer
 from megatron.training.arguments import ConfigError, parse_config
 
@@ -48,3 +50,11 @@ def test_fixture_ids_give_megatron_cores_samples(tmp_path):
     first = golden["first_iteration"] * 2
     got = [train[i]["text"].tolist() for i in range(first, first + len(golden["samples"]))]
     assert got == golden["samples"]
+
+
+def test_preprocess_writes_the_ids_with_the_end_of_document(tmp_path):
+    (tmp_path / "ids.jsonl").write_text('{"text": "1 2 3"}\n{"text": "62 0"}\n')
+    preprocess(PreprocessConfig(input=str(tmp_path / "ids.jsonl"), output_prefix=str(tmp_path / "ids"),
+                                tokenizer_type="NullTokenizer", vocab_size=63, append_eod=True, quiet=True))
+    ds = IndexedDataset(str(tmp_path / "ids_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 63], [62, 0, 63]]
