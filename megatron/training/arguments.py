@@ -288,6 +288,8 @@ def _fill_from_checkpoint(ns: argparse.Namespace) -> None:
     for name in CHECKPOINT_ARGS:
         if getattr(ns, name) is None and saved.get(name) is not None:
             setattr(ns, name, saved[name])
+    if ns.tokenizer_type == "NullTokenizer" and ns.vocab_size is None and saved.get("vocab_size") is not None:
+        ns.vocab_size = int(saved["vocab_size"])  # the null tokenizer's size belongs to the saved tokenizer
 
 
 def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: int = 1,
