@@ -256,6 +256,18 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
     return argparse.Namespace(**plain)
 
 
+def grad_scaler_to_megatron(state: Optional[dict]) -> Optional[dict]:
+    """Our fp16 loss scaler's state as Megatron-LM's ``DynamicGradScaler`` keeps it (``scale`` a one-element
+    tensor, which its ``load_state_dict`` moves to the GPU); our scalers read either form back."""
+    if state is None:
+        return None
+    out = {"scale": torch.tensor([float(state["scale"])], dtype=torch.float32)}
+    for key in ("growth_tracker", "hysteresis_tracker"):
+        if key in state:
+            out[key] = int(state[key])
+    return out
+
+
 def megatron_rank_state(chunks, ns: argparse.Namespace, family: ModelFamily = GPT, optimizer_by_name=None,
                         scheduler: Optional[dict] = None, rng: Optional[dict] = None,
                         num_floating_point_operations_so_far: float = 0.0,
@@ -274,7 +286,8 @@ def megatron_rank_state(chunks, ns: argparse.Namespace, family: ModelFamily = GP
     distrib = None
     if optimizer_by_name is not None:
         named, meta = optimizer_by_name
-        meta = dict(meta, param_groups=megatron_param_groups(meta["param_groups"], scheduler))
+        meta = dict(meta, param_groups=megatron_param_groups(meta["param_groups"], scheduler),
+                    grad_scaler=grad_scaler_to_megatron(meta.get("grad_scaler")))
         plain_mg = [to_family_order(c, family, megatron=True) for c in chunks]
         if ns.use_distributed_optimizer:
             per_key = {(c, n): e for c, chunk in enumerate(optim.with_main_params(named, plain_mg))

@@ -22,7 +22,7 @@ from tests.unit.checkpoint.megatron_layout_case import (CASES, RESUMED, SAVE_AT,
                                                        train)
 
 GOLDEN = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "megatron_layout_golden.json")))
-TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-4}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -44,8 +44,13 @@ def test_trainer_writes_what_megatron_core_resumes(case, tmp_path):
     assert set(raw["rng_state"][0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state",
                                         "rng_tracker_states"}
     assert isinstance(raw["rng_state"][0]["np_rng_state"][1], np.ndarray)
-    if case == "bf16":
-        assert set(raw["optimizer"]) == {"optimizer", "fp32_from_fp16_params"}
+    if case == "fp16":  # Megatron-LM's DynamicGradScaler state: the scale as a tensor
+        assert set(raw["optimizer"]) == {"optimizer", "fp32_from_fp16_params", "grad_scaler"}
+        scaler = raw["optimizer"]["grad_scaler"]
+        assert torch.is_tensor(scaler["scale"]) and {k: float(v) for k, v in scaler.items()} == \
+            golden["scaler_after_load"]
+    if case != "fp32":
+        assert set(raw["optimizer"]) - {"grad_scaler"} == {"optimizer", "fp32_from_fp16_params"}
         assert [len(g) for g in raw["optimizer"]["fp32_from_fp16_params"]] == [
             len(g["params"]) for g in raw["optimizer"]["optimizer"]["param_groups"]]
     else:
@@ -57,6 +62,8 @@ def test_trainer_writes_what_megatron_core_resumes(case, tmp_path):
     assert checkpointing.load_checkpoint([model], opt, sched, ckpt_config(load=str(tmp_path)),
                                          ParallelState.single()) == (SAVE_AT, SAVE_AT * 2)
     assert opt.param_groups[0]["lr"] == pytest.approx(golden["lr_after_load"], rel=1e-12)
+    if case == "fp16":
+        assert opt.grad_scaler.state_dict() == golden["scaler_after_load"]
     ours = train(model, opt, sched, run["data"], SAVE_AT, RESUMED)
     assert ours == run["losses_after_save"]
     # Megatron-Core's own resume of the same file continues the same curve
