@@ -1,4 +1,5 @@
-"""Tokenizers: GPT-2 BPE, BERT WordPiece and Hugging Face tokenizer.json, Megatron-LM's NullTokenizer (see tokenizers.py)."""
+"""Tokenizers: GPT-2 BPE, BERT WordPiece, Hugging Face tokenizer.json and Megatron-LM's NullTokenizer (see
+tokenizers.py)."""
 
 from megatron.core.tokenizer.tokenizers import (
     TOKENIZER_TYPES,

@@ -2,9 +2,10 @@
 (``test_megatron_layout_checkpoint.py``) and the generator of its golden values
 (``fixtures/make_megatron_layout_golden.py``), so both see the same deterministic checkpoint.
 
-Each case (fp32, bf16, fp16) trains our GPT (2 layers, hidden 32, vocabulary 100 padded to 104) for ``SAVE_AT`` iterations on seeded
-random tokens with our optimizer and scheduler, saves through the trainer's ``save_checkpoint`` in Megatron-LM's
-layout, then keeps training to ``SAVE_AT + RESUMED`` iterations (the uninterrupted curve).
+Each case (fp32, bf16, fp16) trains our GPT (2 layers, hidden 32, vocabulary 100 padded to 104) for ``SAVE_AT``
+iterations on seeded random tokens with our optimizer and scheduler, saves through the trainer's
+``save_checkpoint`` in Megatron-LM's layout, then keeps training to ``SAVE_AT + RESUMED`` iterations (the
+uninterrupted curve).
 """
 
 from __future__ import annotations
