@@ -119,7 +119,8 @@ def _megatron_layout_files(iteration: int, model, optim_state, scheduler, cfg: C
         return {}
     chunks = [{n: t for n, t in chunk.state_dict().items() if torch.is_tensor(t)} for chunk in model]
     args = dict(plain_args, padded_vocab_size=rows)
-    dims = formats.dims_from_args(args)
+    # the sizes of the running model: its rows as they are (the tokenizer's real size is not in the arguments)
+    dims = formats.dims_from_args({k: v for k, v in args.items() if k != "vocab_size"})
     path = os.path.join(checkpoint_dir(cfg.save, iteration, pstate), "model_optim_rng.pt")
     by_name = None
     if optim_state is not None:

@@ -89,3 +89,15 @@ def test_a_corrupted_megatron_layout_file_is_named(tmp_path):
     dims, model, opt, sched = build("fp32", seed=99)
     with pytest.raises(checkpointing.cio.CheckpointIOError, match="model_optim_rng.pt"):
         checkpointing.load_checkpoint([model], opt, sched, ckpt_config(load=str(tmp_path)), ParallelState.single())
+
+
+def test_null_tokenizer_vocabulary_counts_its_end_of_document_id():
+    from megatron.core.checkpoint_formats import dims_from_args
+
+    args = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 16,
+            "tokenizer_type": "NullTokenizer", "vocab_size": 64, "make_vocab_size_divisible_by": 64}
+    # Megatron-LM's NullTokenizer(--vocab-size 64) has 65 ids: padded to 128, and to 256 at TP=4
+    dims = dims_from_args(dict(args, padded_vocab_size=128))
+    assert (dims.vocab_size, dims.padded_for(4)) == (65, 256)
+    # a checkpoint whose rows cannot hold the end-of-document id keeps its 64 (the fixture's case)
+    assert dims_from_args(dict(args, padded_vocab_size=64)).vocab_size == 64
