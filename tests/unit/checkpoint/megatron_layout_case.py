@@ -2,7 +2,7 @@
 (``test_megatron_layout_checkpoint.py``) and the generator of its golden values
 (``fixtures/make_megatron_layout_golden.py``), so both see the same deterministic checkpoint.
 
-Each case (fp32, bf16, fp16) trains our GPT (2 layers, hidden 32, vocabulary 100 padded to 104) for ``SAVE_AT``
+Each case (fp32, bf16, fp16, bf16 with the distributed optimizer) trains our GPT (2 layers, hidden 32, vocabulary 100 padded to 104) for ``SAVE_AT``
 iterations on seeded random tokens with our optimizer and scheduler, saves through the trainer's
 ``save_checkpoint`` in Megatron-LM's layout, then keeps training to ``SAVE_AT + RESUMED`` iterations (the
 uninterrupted curve).
@@ -15,6 +15,7 @@ from typing import Dict, List
 
 import torch
 
+from megatron.core.distributed import DDPConfig, DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpointing
@@ -22,8 +23,10 @@ from megatron.training.config import CheckpointConfig
 from megatron.training.scheduler import OptimizerParamScheduler
 from tests.unit.checkpoint.helpers import build_stage, tiny_dims
 
-CASES = ("fp32", "bf16", "fp16")  # FP32Optimizer (torch's state dict), the mixed-precision layout (+ loss scaler)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FP32Optimizer (torch's state dict), the mixed-precision layout (+ fp16 loss scaler), the distributed optimizer
+# (bf16, distrib_optim.pt)
+CASES = ("fp32", "bf16", "fp16", "distopt")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "distopt": torch.bfloat16}
 LOSS_SCALE = 4096.0  # fp16: the dynamic scaler's start (no overflow, so no skipped step in this tiny run)
 SAVE_AT, RESUMED, TRAIN_ITERS = 3, 4, 10
 MICRO, SEQ = 2, 16
@@ -46,19 +49,26 @@ def plain_args(dims, case: str) -> Dict[str, object]:
             "global_batch_size": MICRO, "train_iters": TRAIN_ITERS, "lr": LR, "min_lr": MIN_LR,
             "lr_warmup_iters": WARMUP, "lr_decay_style": "cosine", "weight_decay": WD, "clip_grad": 0.0,
             "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8, "seed": 7,
-            "params_dtype": str(DTYPES[case]).replace("torch.", ""), "bf16": case == "bf16", "fp16": case == "fp16",
-            "initial_loss_scale": LOSS_SCALE,
+            "params_dtype": str(DTYPES[case]).replace("torch.", ""), "bf16": DTYPES[case] == torch.bfloat16,
+            "fp16": case == "fp16", "initial_loss_scale": LOSS_SCALE, "use_distributed_optimizer": case == "distopt",
+            "overlap_grad_reduce": False,
             "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": 0.02}
 
 
 def build(case: str, seed: int = 3):
     """Our model, optimizer and scheduler for ``case`` (built from the run's flags, as the trainer does)."""
     dims = tiny_dims(vocab=100, layers=2)
-    model = build_stage(dims, ParallelState.single(), dtype=DTYPES[case], seed=seed)
+    pstate = ParallelState.single()
+    model = build_stage(dims, pstate, dtype=DTYPES[case], seed=seed)
+    distributed = case == "distopt"
+    if distributed:  # the trainer's wrapping: a contiguous fp32 grad buffer the distributed optimizer shards
+        model = DistributedDataParallel(model, pstate=pstate,
+                                        config=DDPConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True))
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=0.0,
-                                                 adam_beta1=0.9, adam_beta2=0.95, bf16=case == "bf16",
-                                                 fp16=case == "fp16", initial_loss_scale=LOSS_SCALE),
-                                 [model], ParallelState.single())
+                                                 adam_beta1=0.9, adam_beta2=0.95,
+                                                 bf16=DTYPES[case] == torch.bfloat16, fp16=case == "fp16",
+                                                 initial_loss_scale=LOSS_SCALE, use_distributed_optimizer=distributed),
+                                 [model], pstate)
     sched = OptimizerParamScheduler(opt, LR, MIN_LR, WARMUP, TRAIN_ITERS, "cosine", WD)
     return dims, model, opt, sched
 

@@ -22,7 +22,7 @@ from tests.unit.checkpoint.megatron_layout_case import (CASES, RESUMED, SAVE_AT,
                                                        train)
 
 GOLDEN = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "megatron_layout_golden.json")))
-TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-4}
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-4, "distopt": 1e-3}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -49,7 +49,15 @@ def test_trainer_writes_what_megatron_core_resumes(case, tmp_path):
         scaler = raw["optimizer"]["grad_scaler"]
         assert torch.is_tensor(scaler["scale"]) and {k: float(v) for k, v in scaler.items()} == \
             golden["scaler_after_load"]
-    if case != "fp32":
+    if case == "distopt":  # param groups (step, and the keys Megatron-Core matches groups by) + distrib_optim.pt
+        groups = raw["optimizer"]["optimizer"]["param_groups"]
+        assert set(raw["optimizer"]) == {"optimizer"} and [g["step"] for g in groups] == [float(SAVE_AT)] * 2
+        assert [(g["wd_mult"], g["lr_mult"], g["is_expert_parallel"], g["is_decoupled_lr"]) for g in groups] == [
+            (1.0, 1.0, False, False), (0.0, 1.0, False, False)]
+        distrib = load_megatron_file(os.path.join(os.path.dirname(run["path"]), "distrib_optim.pt"))
+        entry = distrib[0][(torch.bfloat16, torch.float32)]
+        assert distrib["buckets_coalesced"] and entry["param"].numel() == entry["numel_unpadded"]
+    elif case != "fp32":
         assert set(raw["optimizer"]) - {"grad_scaler"} == {"optimizer", "fp32_from_fp16_params"}
         assert [len(g) for g in raw["optimizer"]["fp32_from_fp16_params"]] == [
             len(g["params"]) for g in raw["optimizer"]["optimizer"]["param_groups"]]
