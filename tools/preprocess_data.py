@@ -33,6 +33,8 @@ def get_args(argv=None) -> PreprocessConfig:
     g.add_argument("--vocab-file", default=None, help="vocab.json (GPT-2) or vocab.txt (BERT)")
     g.add_argument("--merge-file", default=None, help="merges.txt (GPT-2)")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json, or its directory (HuggingFaceTokenizer)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: ids 0..N-1 written as decimal numbers, end of document N")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="output path without the _{key}_{level}.bin/.idx suffix")
@@ -55,7 +57,7 @@ def get_args(argv=None) -> PreprocessConfig:
         vocab_file=a.vocab_file, merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,
         append_eod=a.append_eod, split_sentences=a.split_sentences, keep_newlines=a.keep_newlines, lang=a.lang,
         workers=a.workers, partitions=a.partitions, keep_sequential_samples=a.keep_sequential_samples,
-        log_interval=a.log_interval, strict=a.strict, quiet=a.quiet,
+        log_interval=a.log_interval, strict=a.strict, quiet=a.quiet, vocab_size=a.vocab_size,
     )
 
 

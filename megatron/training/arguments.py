@@ -133,6 +133,12 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
     for dest, (flag, supported) in SUPPORTED_CHOICES.items():
         if getattr(ns, dest) not in supported:
             _fail(f"{flag} {getattr(ns, dest)} is not supported; supported: {', '.join(supported)}")
+    if ns.tokenizer_type == "NullTokenizer" and (ns.vocab_size is None or ns.vocab_size < 1):
+        _fail(f"--tokenizer-type NullTokenizer needs --vocab-size N >= 1 (ids 0..N-1, end of document N), got "
+              f"{ns.vocab_size}")
+    if ns.vocab_size is not None and ns.tokenizer_type != "NullTokenizer":
+        _fail(f"--vocab-size {ns.vocab_size} is read by --tokenizer-type NullTokenizer only (the "
+              f"{ns.tokenizer_type} vocabulary comes from its files)")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
         if getattr(ns, name) is None:
             _fail(f"--{name.replace('_', '-')} is required" +
@@ -282,6 +288,8 @@ def _fill_from_checkpoint(ns: argparse.Namespace) -> None:
     for name in CHECKPOINT_ARGS:
         if getattr(ns, name) is None and saved.get(name) is not None:
             setattr(ns, name, saved[name])
+    if ns.tokenizer_type == "NullTokenizer" and ns.vocab_size is None and saved.get("vocab_size") is not None:
+        ns.vocab_size = int(saved["vocab_size"])  # the null tokenizer's size belongs to the saved tokenizer
 
 
 def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: int = 1,

@@ -57,12 +57,17 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
     """Collective: every rank calls it (the distributed optimizer gathers its state across DP).
 
     ``plain_args``: the run's configuration as plain types (``RunConfig.to_plain_dict``), stored as ``args``.
+    With ``cfg.ckpt_layout == "megatron"`` the files are Megatron-LM's (``_megatron_layout_files``).
     """
     optim_state = None
     if optimizer is not None and not cfg.no_save_optim:
         optim_state = optimizer.state_dict()
     path = os.path.join(checkpoint_dir(cfg.save, iteration, pstate), "model_optim_rng.pt")
-    if pstate.dp_rank == 0:
+    files = {}
+    if cfg.ckpt_layout == "megatron":
+        files = _megatron_layout_files(iteration, model, optim_state, scheduler, cfg, pstate, consumed_train_samples,
+                                       plain_args)
+    elif pstate.dp_rank == 0:
         state = {
             "args": plain_args,
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -78,16 +83,17 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
         fp8_state = delayed_scaling_state()
         if fp8_state is not None:  # --fp8-recipe delayed: the amax histories, so a resume keeps the scales
             state["fp8_delayed_scaling"] = fp8_state
+        files = {path: state}
     folder = cfold.iteration_dir(cfg.save, iteration)
     if pstate.rank == 0:
         cio.invalidate_manifest(folder)  # a re-save of this iteration reads as incomplete until it is done
     _barrier()
     records, error = [], None
-    if pstate.dp_rank == 0:
-        try:
-            records.append(cio.save_torch(state, folder, os.path.relpath(path, folder)))
-        except cio.CheckpointIOError as exc:
-            error = exc
+    try:
+        for file_path, obj in files.items():
+            records.append(cio.save_torch(obj, folder, os.path.relpath(file_path, folder)))
+    except cio.CheckpointIOError as exc:
+        error = exc
     records = cio.gather_records(records, error)  # every rank raises the first failing writer's line
     if pstate.rank == 0:
         cio.write_manifest(folder, iteration, records)
@@ -97,6 +103,43 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
             cfold.prune_checkpoints(cfg.save, cfg.keep_last_checkpoints, iteration)
     _barrier()
     return path
+
+
+def _megatron_layout_files(iteration: int, model, optim_state, scheduler, cfg: CheckpointConfig,
+                           pstate: ParallelState, consumed_train_samples: int, plain_args: dict) -> dict:
+    """Collective (the padded vocabulary is agreed over all ranks): ``{path: state}`` this rank writes in
+    Megatron-LM's layout, built by ``checkpoint_formats.megatron_lm`` (the converter's writer): data-parallel
+    rank 0 of each model-parallel rank writes ``model_optim_rng.pt``, and ``distrib_optim.pt`` next to it with
+    the distributed optimizer."""
+    from megatron.core.checkpoint_formats import megatron_lm, optimizer_state
+
+    family = _family_of(model)
+    rows = _padded_vocab_of(model, pstate, family)
+    if pstate.dp_rank != 0:
+        return {}
+    chunks = [{n: t for n, t in chunk.state_dict().items() if torch.is_tensor(t)} for chunk in model]
+    args = dict(plain_args, padded_vocab_size=rows)
+    # the sizes of the running model: its rows as they are (the tokenizer's real size is not in the arguments)
+    dims = formats.dims_from_args({k: v for k, v in args.items() if k != "vocab_size"})
+    path = os.path.join(checkpoint_dir(cfg.save, iteration, pstate), "model_optim_rng.pt")
+    by_name = None
+    if optim_state is not None:
+        by_name = optimizer_state.ours_to_named(optim_state, chunks, path)
+    distributed = by_name is not None and by_name[1]["kind"] == "distributed"
+    ns = megatron_lm.megatron_args(args, dims, pstate.tp_size, pstate.pp_size, consumed_train_samples, iteration,
+                                   vpp=len(model), distributed_optimizer=distributed,
+                                   data_parallel_size=pstate.dp_size, world_size=pstate.world_size)
+    rng = None if cfg.no_save_rng else tensor_parallel.get_all_rng_states()
+    state, distrib = megatron_lm.megatron_rank_state(
+        chunks, ns, family, by_name, scheduler.state_dict() if by_name is not None else None, rng,
+        pp_rank=pstate.pp_rank)
+    fp8_state = delayed_scaling_state()
+    if fp8_state is not None:  # an extra entry Megatron-LM ignores; our --load restores it
+        state["fp8_delayed_scaling"] = fp8_state
+    files = {path: state}
+    if distrib is not None:
+        files[os.path.join(os.path.dirname(path), megatron_lm.DISTRIB_OPTIM)] = distrib
+    return files
 
 
 def read_tracker(root: str) -> int:
@@ -285,7 +328,17 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
             ckpt = formats.read_our_checkpoint(root, load_optim=want_optim, load_rng=want_rng,
                                                iteration=chosen if chosen != iteration else None)
         else:
-            ckpt = formats.read_megatron_checkpoint(root, family, load_optim=want_optim, load_rng=want_rng)
+            chosen = iteration
+            if fmt == "megatron" and os.path.isfile(os.path.join(iter_folder, cio.MANIFEST)):
+                # written by our trainer (--ckpt-layout megatron): verify every file against the manifest
+                rank0 = not dist.is_initialized() or dist.get_rank() == 0
+                rels = [os.path.relpath(os.path.join(dp, f), iter_folder) for dp, _, fs in os.walk(iter_folder)
+                        for f in fs if f.endswith(".pt")]
+                chosen = cfold.choose_checkpoint(root, iteration, sorted(rels) if rank0 else [],
+                                                 fallback=cfg.ckpt_fallback_on_corruption,
+                                                 log=(lambda m: print(f"> {m}", flush=True)) if rank0 else None)
+            ckpt = formats.read_megatron_checkpoint(root, family, load_optim=want_optim, load_rng=want_rng,
+                                                    iteration=chosen if chosen != iteration else None)
         dims = formats.dims_from_args(ckpt.args_dict)
         rows = _padded_vocab_of(model, pstate, family)
         if rows is not None and rows != dims.padded_for(pstate.tp_size):
@@ -315,8 +368,12 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
             raise CheckpointError(f"--load {root}: the {what} does not fit this model: "
                                   f"{detail[0] if detail else lines[0]}{more}") from exc
     if ckpt.extra.get("fp8_delayed_scaling") is not None:
-        _print0("FP8 delayed-scaling state not restored (the checkpoint was resharded); its sites start with "
-                "current scaling")
+        why = "the checkpoint was resharded"
+        if not resharded and fmt == "megatron":  # one state per rank: {(tp, pp): state}
+            why = load_delayed_scaling_state(ckpt.extra["fp8_delayed_scaling"][(pstate.tp_rank, pstate.pp_rank)],
+                                             next(model[0].parameters()).device)
+        if why is not None:
+            _print0(f"FP8 delayed-scaling state not restored ({why}); its sites start with current scaling")
     if cfg.finetune:
         return 0, 0
     if want_optim:

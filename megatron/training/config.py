@@ -132,6 +132,7 @@ class DataConfig:
     tokenizer_model: Optional[str]
     num_workers: int
     eod_mask_loss: bool
+    vocab_size: Optional[int] = None  # NullTokenizer's --vocab-size
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool
     ckpt_fallback_on_corruption: bool
     keep_last_checkpoints: Optional[int]
+    ckpt_layout: str = "ours"  # "megatron": --save writes Megatron-LM's legacy layout
 
 
 @dataclass(frozen=True)

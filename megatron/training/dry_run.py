@@ -29,10 +29,10 @@ def dry_run_report(argv: Sequence[str], model: str, extra_sections=()) -> str:
         raise ConfigError(f"--dry-run {num_gpus}: the number of GPUs must be >= 1")
     ns, notes = parse_namespace(argv, world_size=num_gpus, extra_sections=extra_sections)
     vocab = None
-    if ns.vocab_file or ns.tokenizer_model:  # the vocabulary the run would pad (else the planner's default size)
+    if ns.vocab_file or ns.tokenizer_model or ns.vocab_size:  # the vocabulary the run pads (else the planner's)
         try:
             vocab = build_tokenizer(ns.tokenizer_type, vocab_file=ns.vocab_file, merge_file=ns.merge_file,
-                                    tokenizer_model=ns.tokenizer_model).vocab_size
+                                    tokenizer_model=ns.tokenizer_model, vocab_size=ns.vocab_size).vocab_size
         except (ValueError, OSError) as exc:
             raise ConfigError(f"--tokenizer-type {ns.tokenizer_type}: {exc}") from None
     text, _ = dry_run(planner_argv(ns, vocab_size=vocab), num_gpus=num_gpus, model=model)

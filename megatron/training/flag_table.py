@@ -201,7 +201,6 @@ REFUSED_FLAGS: Dict[str, Tuple[str, str]] = {
     "--apply-query-key-layer-scaling": ("query-key layer scaling", "the default fp32 softmax"),
     "--no-query-key-layer-scaling": ("query-key layer scaling", "the default fp32 softmax"),
     "--no-position-embedding": ("models without position embeddings", "learned absolute position embeddings"),
-    "--vocab-size": ("the null tokenizer", "--tokenizer-type with its vocabulary files"),
     "--padded-vocab-size": ("a given padded vocabulary", "--make-vocab-size-divisible-by"),
     "--no-initialization": ("skipping initialisation", "--load (weights come from the checkpoint)"),
 }

@@ -137,8 +137,10 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true",
                    help="train on synthetic random tokens instead of --data-path (benchmarks, smoke tests)")
     g.add_argument("--tokenizer-type", default=None,
-                   help="GPT2BPETokenizer (default), BertWordPieceLowerCase, BertWordPieceCase or "
-                        "HuggingFaceTokenizer")
+                   help="GPT2BPETokenizer (default), BertWordPieceLowerCase, BertWordPieceCase, "
+                        "HuggingFaceTokenizer or NullTokenizer (ids in, ids out; needs --vocab-size)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: ids 0..N-1, end-of-document id N (N + 1 ids before padding)")
     g.add_argument("--vocab-file", default=None, help="tokenizer vocabulary file")
     g.add_argument("--merge-file", default=None, help="BPE merges file (GPT2BPETokenizer)")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFaceTokenizer)")
@@ -178,6 +180,10 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop with an error when --load holds no checkpoint (instead of starting from scratch)")
     g.add_argument("--ckpt-format", default="torch", help="checkpoint format: torch (the only format)")
+    g.add_argument("--ckpt-layout", choices=("ours", "megatron"), default="ours",
+                   help="what --save writes: ours (plain types, loads with weights_only=True) or megatron "
+                        "(Megatron-LM's legacy --ckpt-format torch files, which Megatron-LM can resume); --load "
+                        "reads both")
     g.add_argument("--ckpt-fallback-on-corruption", action="store_true",
                    help="when a file of the checkpoint to load does not match its recorded sha256, load the newest "
                         "older intact checkpoint instead of stopping")

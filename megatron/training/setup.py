@@ -171,7 +171,7 @@ def build_context(cfg: RunConfig, pstate: ParallelState) -> TrainingContext:
     d = cfg.data
     try:
         tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                    tokenizer_model=d.tokenizer_model)
+                                    tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
     except (ValueError, OSError) as exc:
         raise SharedError(f"--tokenizer-type {d.tokenizer_type}: {exc}") from None
     padded = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, pstate.tp_size)

@@ -131,6 +131,8 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
     max_pos = args.get("max_position_embeddings") or args.get("seq_length")
     if vocab_size is None and args.get("vocab_size"):  # Megatron-LM's --vocab-size (tokenizers without files)
         vocab_size = int(args["vocab_size"])
+        if args.get("tokenizer_type") == "NullTokenizer" and int(padded) > vocab_size:
+            vocab_size += 1  # NullTokenizer's ids 0..N-1 and its end-of-document id N (when the rows hold it)
     dtype = args.get("params_dtype")
     if dtype is None:
         dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"

@@ -121,6 +121,58 @@ def read_distrib_optim(path: str, megatron_chunks: List[Dict[str, Any]], args: D
     return out
 
 
+def own_bucket_names(args: Dict[str, Any], family) -> Tuple[str, ...]:
+    """The parameters with a grad bucket of their own: a pipeline run's tied word embedding and its output copy."""
+    pp_size = int(args.get("pipeline_model_parallel_size") or 1)
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    return ("embedding.word_embeddings.weight", family.tied_output) if (tied and pp_size > 1) else ()
+
+
+def write_distrib_optim(megatron_chunks: List[Dict[str, Any]], per_key: Dict[Tuple[int, str], Dict[str, torch.Tensor]],
+                        args: Dict[str, Any], pp_rank: int, own_bucket: Tuple[str, ...] = ()) -> dict:
+    """The ``distrib_optim.pt`` state of one model-parallel rank: the inverse of :func:`read_distrib_optim`.
+
+    ``per_key``: ``{(chunk, name): {"param", "exp_avg", "exp_avg_sq"}}`` (full fp32 tensors; moments missing
+    before the first step are written as zeros); the alignment gaps between parameters hold zeros."""
+    out: Dict[Any, Any] = {"buckets_coalesced": True}
+    gbuf = 0
+    for c, chunk in enumerate(megatron_chunks):
+        by_dtype: Dict[torch.dtype, List[Tuple[str, torch.Tensor]]] = {}
+        for name, value in chunk.items():
+            if torch.is_tensor(value) and not name.endswith("_extra_state"):
+                by_dtype.setdefault(value.dtype, []).append((name, value))
+        for dtype, params in by_dtype.items():
+            offsets, length = buffer_offsets([(n, v.numel()) for n, v in params], bucket_size_of(args, c, pp_rank),
+                                             own_bucket)
+            entry: Dict[str, Any] = {k: torch.zeros(length, dtype=torch.float32) for k in KEYS}  # [flat buffer]
+            for name, value in params:
+                saved = per_key.get((c, name), {})
+                start = offsets[name]
+                for k in KEYS:
+                    source = saved.get(k)
+                    if source is None and k == "param":
+                        source = value
+                    if source is not None:
+                        entry[k][start:start + value.numel()].copy_(source.detach().reshape(-1).float())
+            entry["numel_unpadded"] = length
+            out[gbuf] = {(dtype, _grad_dtype(dtype, args)): entry}
+            gbuf += 1
+    return out
+
+
+def distributed_optimizer_groups(meta: dict) -> dict:
+    """What Megatron-LM's distributed optimizer saves in ``model_optim_rng.pt``: the param groups (no params), the
+    step in each group, and the fp16 ``grad_scaler``."""
+    groups = [dict(g) for g in meta["param_groups"]]
+    if meta.get("step") is not None:
+        for g in groups:
+            g["step"] = float(meta["step"])
+    out = {"optimizer": {"param_groups": groups}}
+    if meta.get("grad_scaler") is not None:
+        out["grad_scaler"] = meta["grad_scaler"]
+    return out
+
+
 def hyper_from_distributed(opt_sd: dict, where: str) -> Tuple[List[dict], Optional[float]]:
     """The two param groups' hyperparameters (weight-decayed first) and the step of a distributed optimizer's
     ``state_dict()`` as Megatron-LM saves it in ``model_optim_rng.pt``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from typing import List, Optional, Tuple
 
 import torch
@@ -24,7 +25,7 @@ def checkpoint_format(iter_dir: str) -> Optional[str]:
     try:
         files = rank_files(iter_dir)
         needed = torch.serialization.get_unsafe_globals_in_checkpoint(files[min(files)])
-    except (CheckpointFormatError, OSError, RuntimeError, ValueError):
+    except (CheckpointFormatError, OSError, RuntimeError, ValueError, pickle.UnpicklingError):
         return None
     return "megatron" if "argparse.Namespace" in needed else "ours"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -23,7 +23,9 @@ from megatron.core.checkpoint_formats import optimizer_state as optim
 from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
                                                      rank_dir, rank_files, read_tracker,
                                                      to_family_order, write_tracker)
-from megatron.core.checkpoint_formats.distrib_optim import hyper_from_distributed, read_distrib_optim
+from megatron.core.checkpoint_formats.distrib_optim import (distributed_optimizer_groups, hyper_from_distributed,
+                                                             own_bucket_names, read_distrib_optim,
+                                                             write_distrib_optim)
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily, check_supported_args
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
 
@@ -45,10 +47,7 @@ def _distributed_to_named(opt_sd: dict, distrib: str, mg_chunks, plain_mg, args:
     if not os.path.exists(distrib):
         raise CheckpointFormatError(f"{where} holds a distributed optimizer's param groups but {distrib} is "
                                     "missing; load without the optimizer (--no-load-optim)")
-    pp_size = int(args.get("pipeline_model_parallel_size") or 1)
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    own_bucket = ("embedding.word_embeddings.weight", family.tied_output) if (tied and pp_size > 1) else ()
-    per_key = read_distrib_optim(distrib, mg_chunks, args, rank[1], own_bucket)
+    per_key = read_distrib_optim(distrib, mg_chunks, args, rank[1], own_bucket_names(args, family))
     hyper, step = hyper_from_distributed(opt_sd, where)
     meta = {"kind": "distributed", "param_groups": hyper, "step": step, "grad_scaler": opt_sd.get("grad_scaler")}
     return optim.named_from_keys(plain_mg, per_key), meta
@@ -78,59 +77,75 @@ def scheduler_from_megatron(sched: dict, args: Dict[str, Any], where: str) -> di
 
 
 def scheduler_to_megatron(sched: dict, args: Dict[str, Any]) -> dict:
+    """Ours as Megatron-LM's sample-based scheduler state. Megatron-LM sets ``wd_incr_steps`` to
+    ``train_iters x global batch`` and checks it on resume, so it is taken from the arguments when they hold it."""
     gbs = _global_batch(args, "our checkpoint")
+    wd_iters = args.get("train_iters") or sched["decay_steps"]
     return {"max_lr": sched["max_lr"], "lr_warmup_steps": sched["warmup_steps"] * gbs,
             "num_steps": sched["num_steps"] * gbs, "lr_decay_style": sched["decay_style"],
             "lr_decay_steps": sched["decay_steps"] * gbs, "min_lr": sched["min_lr"],
             "start_wd": sched["weight_decay"], "end_wd": sched["weight_decay"], "wd_incr_style": "constant",
-            "wd_incr_steps": sched["decay_steps"] * gbs}
+            "wd_incr_steps": int(wd_iters) * gbs}
+
+
+CPU_TRACKER_KEY = "cpu_rng_tracker_states"
 
 
 def rng_from_megatron(rng_list, where: str) -> dict:
     """Data-parallel rank 0's Megatron-LM RNG state as ours. Megatron's tracker holds CUDA states only; each
-    tracked name gets the default CPU state as its CPU stream."""
+    tracked name gets its CPU stream from ``cpu_rng_tracker_states`` when the file has it (our writer adds it),
+    else the default CPU state."""
     if not isinstance(rng_list, (list, tuple)) or not rng_list:
         raise CheckpointFormatError(f"{where}: rng_state is not a list of per-rank dicts")
     r = rng_list[0]
     version, state, gauss = r["random_rng_state"]
     name, keys, pos, has_gauss, cached = r["np_rng_state"]
     cpu = r["torch_rng_state"]
+    cpu_tracker = r.get(CPU_TRACKER_KEY) or {}
+    names = set(r.get("rng_tracker_states") or {}) | set(cpu_tracker)
+    cuda_tracker = r.get("rng_tracker_states") or {}
     return {"random": [version, list(state), gauss],
             "np_random": [name, torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos), int(has_gauss),
                           float(cached)],
             "torch_cpu": cpu, "cuda": r.get("cuda_rng_state"),
-            "tracker": {k: {"cpu": cpu.clone(), "cuda": v} for k, v in r.get("rng_tracker_states", {}).items()}}
+            "tracker": {k: {"cpu": (cpu_tracker[k] if k in cpu_tracker else cpu).clone(), "cuda": cuda_tracker.get(k)}
+                        for k in sorted(names)}}
 
 
-def rng_to_megatron(ours: dict) -> Optional[list]:
-    """Ours as Megatron-LM's per-rank list; ``None`` when the state has no CUDA part (Megatron restores CUDA)."""
-    if ours.get("cuda") is None or any(st.get("cuda") is None for st in ours["tracker"].values()):
-        return None
+def rng_to_megatron(ours: dict) -> list:
+    """Ours as Megatron-LM's per-rank list (one dict: data-parallel ranks share the streams). Megatron's keys hold
+    the CUDA states (``None`` when the state was taken without a GPU: Megatron-LM then needs ``--no-load-rng``);
+    ``cpu_rng_tracker_states`` adds the tracker's CPU streams, which Megatron-LM ignores and our reader restores."""
     version, state, gauss = ours["random"]
     name, keys, pos, has_gauss, cached = ours["np_random"]
     return [{"random_rng_state": (version, tuple(state), gauss),
              "np_rng_state": (name, np.asarray(keys.numpy() if torch.is_tensor(keys) else keys).astype(np.uint32),
                               int(pos), int(has_gauss), float(cached)),
-             "torch_rng_state": ours["torch_cpu"], "cuda_rng_state": ours["cuda"],
-             "rng_tracker_states": {k: st["cuda"] for k, st in ours["tracker"].items()}}]
+             "torch_rng_state": ours["torch_cpu"], "cuda_rng_state": ours.get("cuda"),
+             "rng_tracker_states": {k: st.get("cuda") for k, st in ours["tracker"].items()},
+             CPU_TRACKER_KEY: {k: st["cpu"] for k, st in ours["tracker"].items()}}]
 
 
 # ---- read ---------------------------------------------------------------------------------------------------------
 def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: bool = True,
-                             load_rng: bool = True) -> LoadedCheckpoint:
+                             load_rng: bool = True, iteration: Optional[int] = None) -> LoadedCheckpoint:
     """Read a Megatron-LM legacy checkpoint folder (any TP/PP) into our layouts.
 
     Returns ``(model_state_per_rank, optimizer, scheduler, rng, iteration, consumed_samples, args_dict, extra)``:
     model state dicts without ``_extra_state`` (our module order), our trainer's optimizer state dicts (same
     precision wrapper, our parameter order), our scheduler state (iterations), our RNG state per rank.
-    A ``torch_dist`` folder gives its model weights only (``megatron_dist.read_torch_dist_checkpoint``)."""
-    iteration, iter_dir = read_tracker(root)
+    A ``torch_dist`` folder gives its model weights only (``megatron_dist.read_torch_dist_checkpoint``).
+    ``iteration``: read that one instead of the tracker's (a fallback to an older intact checkpoint)."""
+    if iteration is None:
+        iteration, iter_dir = read_tracker(root)
+    else:
+        iter_dir = os.path.join(root, f"iter_{iteration:07d}")
     if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # torch_dist: model weights only
         from megatron.core.checkpoint_formats.megatron_dist import read_torch_dist_checkpoint
 
         return read_torch_dist_checkpoint(root, family)
     files = rank_files(iter_dir)
-    models, optimizers, named, rngs = {}, {}, {}, {}
+    models, optimizers, named, rngs, fp8 = {}, {}, {}, {}, {}
     sched_raw, args, first = None, None, None
     for rank, path in sorted(files.items()):
         state = load_megatron_file(path)
@@ -159,13 +174,15 @@ def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: b
             rngs[rank] = rng_from_megatron(state["rng_state"], path)
         if sched_raw is None:
             sched_raw = state.get("opt_param_scheduler")
+        if state.get("fp8_delayed_scaling") is not None:  # our trainer's extra entry (--fp8-recipe delayed)
+            fp8[rank] = state["fp8_delayed_scaling"]
     where = files[min(files)]
     consumed = int(args.get("consumed_train_samples") or 0)
     sched = scheduler_from_megatron(sched_raw, args, where) if (load_optim and sched_raw) else None
     extra = {"format": "megatron", "megatron_scheduler": sched_raw, "optimizer_by_name": named or None,
              "checkpoint_version": first.get("checkpoint_version"),
              "num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far"),
-             "iter_dir": iter_dir}
+             "iter_dir": iter_dir, "fp8_delayed_scaling": fp8 or None}
     return LoadedCheckpoint(models, optimizers or None, sched, rngs or None, int(first.get("iteration", iteration)),
                             consumed, args, extra)
 
@@ -192,9 +209,31 @@ def megatron_model_state(chunk: Dict[str, torch.Tensor], family: ModelFamily) ->
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consumed: int,
-                  iteration: int) -> argparse.Namespace:
-    """An ``argparse.Namespace`` of the model's flags as Megatron-LM saves them."""
+# Megatron-LM's param-group fields its trainer and scheduler read (``get_megatron_optimizer`` sets them)
+_GROUP_DEFAULTS = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0, "is_decoupled_lr": False}
+
+
+def megatron_param_groups(groups, scheduler: Optional[dict] = None) -> list:
+    """The two param groups' hyperparameters (weight-decayed first) with the fields Megatron-LM's own groups carry:
+    ``wd_mult`` 1 and 0, ``lr_mult``, ``max_lr``/``min_lr`` (from our scheduler), the expert/decoupled flags."""
+    out = []
+    for index, group in enumerate(groups):
+        g = dict(group)
+        for key, value in _GROUP_DEFAULTS.items():
+            g.setdefault(key, value)
+        g.setdefault("wd_mult", 1.0 if index == 0 else 0.0)
+        if scheduler is not None:
+            g.setdefault("max_lr", scheduler["max_lr"])
+            g.setdefault("min_lr", scheduler["min_lr"])
+        out.append(g)
+    return out
+
+
+def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consumed: int, iteration: int,
+                  vpp: Optional[int] = None, distributed_optimizer: bool = False,
+                  **extra: Any) -> argparse.Namespace:
+    """An ``argparse.Namespace`` of the run's flags as Megatron-LM saves them: the model sizes and layout it checks
+    on resume (``check_checkpoint_args``), ``consumed_train_samples``; ``extra`` adds or overrides fields."""
     plain = {k: v for k, v in args.items() if not (isinstance(v, str) and v.startswith(("ModelType.", "AttnBackend.")))}
     plain.update(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size,
@@ -202,48 +241,88 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
         max_position_embeddings=dims.max_position_embeddings,
         seq_length=dims.seq_length or dims.max_position_embeddings,
         padded_vocab_size=dims.padded_for(tp), make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
-        layernorm_epsilon=dims.layernorm_epsilon, apply_layernorm_1p=dims.apply_layernorm_1p,
+        layernorm_epsilon=dims.layernorm_epsilon, norm_epsilon=dims.layernorm_epsilon,
+        apply_layernorm_1p=dims.apply_layernorm_1p,
         untie_embeddings_and_output_weights=not dims.tied_embeddings, position_embedding_type="learned_absolute",
         normalization="LayerNorm", add_bias_linear=True, add_position_embedding=True, swiglu=False,
         group_query_attention=False, num_query_groups=dims.num_attention_heads,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None, consumed_train_samples=consumed,
+        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None, consumed_train_samples=consumed,
         consumed_valid_samples=int(args.get("consumed_valid_samples") or 0), iteration=iteration,
         params_dtype=_DTYPES.get(dims.params_dtype, torch.float32), bf16=dims.params_dtype == "bfloat16",
-        fp16=dims.params_dtype == "float16", ckpt_format="torch",
-        use_distributed_optimizer=False)  # the optimizer is written in the non-distributed layout
+        fp16=dims.params_dtype == "float16", ckpt_format="torch", use_dist_ckpt=False,
+        use_distributed_optimizer=distributed_optimizer)
+    plain.update(extra)
     return argparse.Namespace(**plain)
+
+
+def grad_scaler_to_megatron(state: Optional[dict]) -> Optional[dict]:
+    """Our fp16 loss scaler's state as Megatron-LM's ``DynamicGradScaler`` keeps it (``scale`` a one-element
+    tensor, which its ``load_state_dict`` moves to the GPU); our scalers read either form back."""
+    if state is None:
+        return None
+    out = {"scale": torch.tensor([float(state["scale"])], dtype=torch.float32)}
+    for key in ("growth_tracker", "hysteresis_tracker"):
+        if key in state:
+            out[key] = int(state[key])
+    return out
+
+
+def megatron_rank_state(chunks, ns: argparse.Namespace, family: ModelFamily = GPT, optimizer_by_name=None,
+                        scheduler: Optional[dict] = None, rng: Optional[dict] = None,
+                        num_floating_point_operations_so_far: float = 0.0,
+                        pp_rank: int = 0) -> Tuple[dict, Optional[dict]]:
+    """``(model_optim_rng.pt state, distrib_optim.pt state or None)`` of one model-parallel rank in Megatron-LM's
+    layout; ``chunks``: its model chunk state dicts (our names); ``optimizer_by_name``: its ``(named, meta)``;
+    ``scheduler``: ours (iterations); ``rng``: ours. With ``ns.use_distributed_optimizer`` the optimizer's tensors
+    go to the second file (``distrib_optim.py``), the param groups to the first, as Megatron-LM's distributed
+    optimizer saves them; otherwise the non-distributed layout (fp32, or ``fp32_from_fp16_params``)."""
+    args = to_plain(ns)
+    mg_chunks = [megatron_model_state(c, family) for c in chunks]
+    state: Dict[str, Any] = {"args": ns, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(ns.iteration),
+                             "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
+    for key, c in zip(chunk_keys(len(chunks)), mg_chunks):
+        state[key] = c
+    distrib = None
+    if optimizer_by_name is not None:
+        named, meta = optimizer_by_name
+        meta = dict(meta, param_groups=megatron_param_groups(meta["param_groups"], scheduler),
+                    grad_scaler=grad_scaler_to_megatron(meta.get("grad_scaler")))
+        plain_mg = [to_family_order(c, family, megatron=True) for c in chunks]
+        if ns.use_distributed_optimizer:
+            per_key = {(c, n): e for c, chunk in enumerate(optim.with_main_params(named, plain_mg))
+                       for n, e in chunk.items()}
+            own = own_bucket_names(args, family)
+            distrib = write_distrib_optim(mg_chunks, per_key, args, pp_rank, own)
+            state["optimizer"] = distributed_optimizer_groups(meta)
+        else:
+            state["optimizer"] = optim.named_to_megatron(named, meta, plain_mg,
+                                                         mixed_precision=args.get("params_dtype") != "float32")
+        if scheduler is not None:
+            state["opt_param_scheduler"] = scheduler_to_megatron(scheduler, args)
+    if rng is not None:
+        state["rng_state"] = rng_to_megatron(rng)
+    return state, distrib
 
 
 def write_megatron_checkpoint(root: str, model_state_per_rank, dims: ModelDims, args: Dict[str, Any],
                               iteration: int = 0, consumed_samples: int = 0, family: ModelFamily = GPT,
                               optimizer_by_name=None, scheduler: Optional[dict] = None, rng=None,
                               release: bool = False, num_floating_point_operations_so_far: float = 0.0) -> list:
-    """Write ``model_state_per_rank`` (our names, ``{(tp, pp): [chunks]}``) as a Megatron-LM legacy checkpoint.
+    """Write ``model_state_per_rank`` (our names, ``{(tp, pp): [chunks]}``) as a Megatron-LM legacy checkpoint
+    (non-distributed optimizer layout).
 
     ``optimizer_by_name``: ``{(tp, pp): (named, meta)}`` for the same layout (see ``optimizer_state``);
     ``scheduler``: ours (iterations); ``rng``: ``{(tp, pp): ours}``. Returns the files written."""
     tp = 1 + max(t for t, _ in model_state_per_rank)
     pp = 1 + max(p for _, p in model_state_per_rank)
-    ns = megatron_args(args, dims, tp, pp, consumed_samples, iteration)
+    vpp = max(len(chunks) for chunks in model_state_per_rank.values())
     written = []
     for (t, p), chunks in sorted(model_state_per_rank.items()):
-        mg_chunks = [megatron_model_state(c, family) for c in chunks]
-        state: Dict[str, Any] = {"args": ns, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                                 "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
-        for key, c in zip(chunk_keys(len(chunks)), mg_chunks):
-            state[key] = c
-        if optimizer_by_name is not None:
-            named, meta = optimizer_by_name[(t, p)]
-            plain_mg = [to_family_order(c, family, megatron=True) for c in chunks]
-            state["optimizer"] = optim.named_to_megatron(named, meta, plain_mg,
-                                                         mixed_precision=dims.params_dtype != "float32")
-            if scheduler is not None:
-                state["opt_param_scheduler"] = scheduler_to_megatron(scheduler, args)
-        if rng is not None and (t, p) in rng:
-            mg_rng = rng_to_megatron(rng[(t, p)])
-            if mg_rng is not None:
-                state["rng_state"] = mg_rng
+        ns = megatron_args(args, dims, tp, pp, consumed_samples, iteration, vpp=vpp)
+        state, _ = megatron_rank_state(
+            chunks, ns, family, optimizer_by_name[(t, p)] if optimizer_by_name is not None else None,
+            scheduler, rng.get((t, p)) if rng is not None else None, num_floating_point_operations_so_far, p)
         path = os.path.join(rank_dir(root, iteration, t, p, pp, release), FILE)
         atomic_save(state, path)
         written.append(path)

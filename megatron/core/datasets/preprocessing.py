@@ -63,6 +63,7 @@ class PreprocessConfig:
     log_interval: int = 1000
     strict: bool = False
     quiet: bool = False
+    vocab_size: Optional[int] = None  # NullTokenizer's --vocab-size
 
     def output_names(self) -> Dict[str, str]:
         """``{key: PREFIX_{key}_{document|sentence}}`` for every JSON key."""
@@ -104,7 +105,7 @@ def _init_worker(cfg: PreprocessConfig, tok=None) -> None:
     _WORKER.clear()  # nothing of an earlier run in this process (or in its parent) may leak into this one
     _WORKER["cfg"] = cfg
     _WORKER["tok"] = tok if tok is not None else \
-        build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model)
+        build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model, cfg.vocab_size)
     if cfg.split_sentences:
         from megatron.core.datasets.sentence_splitter import SentenceSplitter
 
@@ -403,7 +404,7 @@ def preprocess(cfg: PreprocessConfig) -> Stats:
 
     _validate(cfg)
     files = _input_files(cfg.input)
-    tok = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model)
+    tok = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model, cfg.vocab_size)
     dtype = optimal_dtype(tok.vocab_size)
     names = cfg.output_names()
     parts = cfg.partitions if not cfg.keep_sequential_samples else 1  # sequential partitions keep the order

@@ -1,10 +1,12 @@
-"""Tokenizers: GPT-2 BPE, BERT WordPiece and Hugging Face tokenizer.json (see tokenizers.py)."""
+"""Tokenizers: GPT-2 BPE, BERT WordPiece, Hugging Face tokenizer.json and Megatron-LM's NullTokenizer (see
+tokenizers.py)."""
 
 from megatron.core.tokenizer.tokenizers import (
     TOKENIZER_TYPES,
     BertWordPieceTokenizer,
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
+    NullTokenizer,
     build_tokenizer,
 )
 
@@ -13,5 +15,6 @@ __all__ = [
     "BertWordPieceTokenizer",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
+    "NullTokenizer",
     "build_tokenizer",
 ]

@@ -1,4 +1,4 @@
-"""Tokenizers built on the compiled Hugging Face ``tokenizers`` library.
+"""Tokenizers built on the compiled Hugging Face ``tokenizers`` library (and Megatron-LM's ``NullTokenizer``).
 
 Every tokenizer exposes the same small surface that preprocessing, the datasets and the trainer need:
 
@@ -28,6 +28,7 @@ TOKENIZER_TYPES = (
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
     "HuggingFaceTokenizer",
+    "NullTokenizer",
 )
 
 
@@ -272,6 +273,48 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         return self._eod
 
 
+class NullTokenizer:
+    """Megatron-LM's ``NullTokenizer``: the text is already token ids, written as decimal numbers separated by
+    spaces (``"5 17 3"``); ``--vocab-size N`` names the ids ``0 .. N-1`` and the end-of-document id is ``N``, so the
+    tokenizer has ``N + 1`` ids (padded like any vocabulary). For data preprocessed elsewhere and for checkpoints
+    trained on synthetic ids."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: Optional[int]):
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError(f"NullTokenizer needs --vocab-size N >= 1 (the number of ids before the end-of-document "
+                             f"id), got {vocab_size}")
+        self._ids = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._ids + 1
+
+    @property
+    def eod(self) -> int:
+        return self._ids
+
+    def tokenize(self, text: str) -> List[int]:
+        try:
+            ids = [int(piece) for piece in text.split()]
+        except ValueError:
+            raise ValueError(f"NullTokenizer reads decimal token ids separated by spaces, got {text[:40]!r}") from None
+        bad = [i for i in ids if not 0 <= i <= self._ids]
+        if bad:
+            raise ValueError(f"NullTokenizer: id {bad[0]} is outside 0..{self._ids} (--vocab-size {self._ids})")
+        return ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def __repr__(self) -> str:
+        return f"NullTokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
 def _require_file(path: Optional[str], flag: str, kind: str) -> None:
     if not path:
         raise ValueError(f"{kind} needs {flag}")
@@ -284,8 +327,10 @@ def build_tokenizer(
     vocab_file: Optional[str] = None,
     merge_file: Optional[str] = None,
     tokenizer_model: Optional[str] = None,
+    vocab_size: Optional[int] = None,
 ):
-    """Build one of Megatron's tokenizer types (``--tokenizer-type``) from its files."""
+    """Build one of Megatron's tokenizer types (``--tokenizer-type``) from its files (``NullTokenizer``: from
+    ``vocab_size``, Megatron-LM's ``--vocab-size``)."""
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "BertWordPieceLowerCase":
@@ -294,4 +339,6 @@ def build_tokenizer(
         return BertWordPieceTokenizer(vocab_file, lower_case=False)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {list(TOKENIZER_TYPES)}")

@@ -133,6 +133,7 @@ def test_use_checkpoint_args_takes_the_model_flags_from_a_megatron_lm_checkpoint
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length) == (2, 64, 4, 64, 16)
     assert m.make_vocab_size_divisible_by == 64 and m.norm_epsilon == 1e-5
+    assert (cfg.data.tokenizer_type, cfg.data.vocab_size) == ("NullTokenizer", 64)  # Megatron-LM's --vocab-size
 
 
 # ---- the distributed optimizer's distrib_optim.pt (fixtures/make_megatron_distopt_fixture.py) ----------------------
