@@ -45,12 +45,11 @@ def _shakespeare_jsonl(path) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def shakespeare(tmp_path_factory):
-    """(``_text_sentence`` prefix, vocab.txt) of the bundled corpus with a WordPiece vocabulary trained on it."""
+def shakespeare_bert_data(d) -> tuple:
+    """(``_text_sentence`` prefix, vocab.txt) of the bundled corpus with a WordPiece vocabulary trained on it, in
+    folder ``d``."""
     from tokenizers import BertWordPieceTokenizer
 
-    d = tmp_path_factory.mktemp("bert_shakespeare")
     jsonl = _shakespeare_jsonl(d / "corpus.jsonl")
     with open(jsonl) as f:
         docs = [json.loads(line)["text"] for line in f]
@@ -58,6 +57,11 @@ def shakespeare(tmp_path_factory):
     tok.train_from_iterator(docs, vocab_size=8000, min_frequency=2, special_tokens=SPECIAL, show_progress=False)
     vocab = tok.save_model(str(d), "shakespeare")[0]
     return _preprocess(jsonl, str(d / "shakespeare"), vocab), vocab
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory):
+    return shakespeare_bert_data(tmp_path_factory.mktemp("bert_shakespeare"))
 
 
 def _argv(prefix: str, vocab: str, cache: str, iters: int, **overrides):

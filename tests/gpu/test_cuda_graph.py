@@ -97,21 +97,9 @@ def test_running_ahead_stops_for_evaluation_and_checkpoints(prefix, tmp_path):
 # ---- BERT ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shakespeare(tmp_path_factory):
-    """(``_text_sentence`` prefix, vocab.txt) of the bundled corpus with a WordPiece vocabulary trained on it."""
-    import json
+    from tests.functional.test_bert_training import shakespeare_bert_data
 
-    from tokenizers import BertWordPieceTokenizer
-
-    from tests.functional.test_bert_training import SPECIAL, _preprocess, _shakespeare_jsonl
-
-    d = tmp_path_factory.mktemp("cuda_graph_bert")
-    jsonl = _shakespeare_jsonl(d / "corpus.jsonl")
-    with open(jsonl) as f:
-        docs = [json.loads(line)["text"] for line in f]
-    tok = BertWordPieceTokenizer(lowercase=True)
-    tok.train_from_iterator(docs, vocab_size=8000, min_frequency=2, special_tokens=SPECIAL, show_progress=False)
-    vocab = tok.save_model(str(d), "shakespeare")[0]
-    return _preprocess(jsonl, str(d / "shakespeare"), vocab), vocab
+    return shakespeare_bert_data(tmp_path_factory.mktemp("cuda_graph_bert"))
 
 
 BERT_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([-+0-9.eE]+) \|(?: sop loss: ([-+0-9.eE]+) \|)?"

@@ -93,11 +93,7 @@ def read_distrib_optim(path: str, megatron_chunks: List[Dict[str, Any]], args: D
     out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
     gbuf = 0
     for c, chunk in enumerate(megatron_chunks):
-        by_dtype: Dict[torch.dtype, List[Tuple[str, torch.Tensor]]] = {}
-        for name, value in chunk.items():
-            if torch.is_tensor(value) and not name.endswith("_extra_state"):
-                by_dtype.setdefault(value.dtype, []).append((name, value))
-        for dtype, params in by_dtype.items():
+        for dtype, params in _params_by_dtype(chunk).items():
             key = (dtype, _grad_dtype(dtype, args))
             entry = state.get(gbuf, {}).get(key) if isinstance(state.get(gbuf), dict) else None
             if entry is None:
@@ -121,6 +117,16 @@ def read_distrib_optim(path: str, megatron_chunks: List[Dict[str, Any]], args: D
     return out
 
 
+def _params_by_dtype(chunk: Dict[str, Any]) -> Dict[torch.dtype, List[Tuple[str, torch.Tensor]]]:
+    """A Megatron model chunk's tensors (``_extra_state`` entries left out) grouped by dtype, in the chunk's order:
+    one grad buffer per dtype, as Megatron-Core's DDP lays them out."""
+    by_dtype: Dict[torch.dtype, List[Tuple[str, torch.Tensor]]] = {}
+    for name, value in chunk.items():
+        if torch.is_tensor(value) and not name.endswith("_extra_state"):
+            by_dtype.setdefault(value.dtype, []).append((name, value))
+    return by_dtype
+
+
 def own_bucket_names(args: Dict[str, Any], family) -> Tuple[str, ...]:
     """The parameters with a grad bucket of their own: a pipeline run's tied word embedding and its output copy."""
     pp_size = int(args.get("pipeline_model_parallel_size") or 1)
@@ -137,11 +143,7 @@ def write_distrib_optim(megatron_chunks: List[Dict[str, Any]], per_key: Dict[Tup
     out: Dict[Any, Any] = {"buckets_coalesced": True}
     gbuf = 0
     for c, chunk in enumerate(megatron_chunks):
-        by_dtype: Dict[torch.dtype, List[Tuple[str, torch.Tensor]]] = {}
-        for name, value in chunk.items():
-            if torch.is_tensor(value) and not name.endswith("_extra_state"):
-                by_dtype.setdefault(value.dtype, []).append((name, value))
-        for dtype, params in by_dtype.items():
+        for dtype, params in _params_by_dtype(chunk).items():
             offsets, length = buffer_offsets([(n, v.numel()) for n, v in params], bucket_size_of(args, c, pp_rank),
                                              own_bucket)
             entry: Dict[str, Any] = {k: torch.zeros(length, dtype=torch.float32) for k in KEYS}  # [flat buffer]
