@@ -14,12 +14,12 @@ MFU). Dropout 0, AdamW, clip-grad 1.0; the vocabulary is padded to a multiple of
 MFU = tokens/s x model FLOPs per token / peak (``--bf16-peak-tflops``, 989 for H100/H200 SXM), tokens = micro-batch
 x sequence length (padded positions included: both trainers compute them), and FLOPs per training token
 
-    72 L h^2 + 12 L h s + 6 h V + 6 h^2
+    72 L h^2 + 12 L h s + (6 h V + 6 h^2) k / s,    k = floor(0.15 s)
 
-(Megatron's count for the encoder with a 4h MLP and the vocabulary projection of every position, plus the MLM
-head's h x h transform; the pooler and binary head, once per sample, are left out). The same count for both
-trainers, although ours projects only floor(0.15 x s) positions per sample onto the vocabulary (the masked ones)
-where HF projects all s.
+(Megatron's count for the encoder with a 4h MLP, plus the MLM head, the h x h transform and the projection onto the
+vocabulary, at the k positions per sample the masked-LM objective can need: the datasets mask at most k; the
+pooler and binary head, once per sample, are left out). The same count for both trainers: ours runs the MLM head
+on those k positions only, HF runs it on all s, and the extra work is not counted as model FLOPs.
 
 Rows have the keys of ``bench/gpu_throughput.py``'s rows and are merged into ``bench/results/gpu_throughput.json``
 (the other trainers' rows are kept; a row of the same trainer and shape is replaced), with the Markdown table
@@ -63,6 +63,7 @@ from corpus import NUM_WORKERS, SEED, SPLIT, bert_batches, prepare_bert_dataset 
 from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, _glue_values, comma_choices,  # noqa: E402
                             environment, parse_ours_log, write_results)
 from megatron.training.logging import num_floating_point_operations  # noqa: E402
+from megatron.core.models.bert_loss import max_masked_positions  # noqa: E402
 
 SHAPES = {
     "large": dict(num_layers=24, hidden_size=1024, num_heads=16, seq_length=512, micro_batch_size=16),
@@ -86,11 +87,14 @@ def padded_vocab(vocab_file: str) -> int:
     return pad_vocab_size(build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab_file).vocab_size, 128, 1)
 
 
-def flops_per_token(L: int, h: int, s: int, V: int) -> float:
-    """Model FLOPs per token of one BERT training iteration: the library's count for the encoder and the
-    vocabulary projection (the trainer's log line) plus the MLM head's h x h transform (module doc)."""
+def flops_per_token(L: int, h: int, s: int, V: int, mask_prob: float = 0.15) -> float:
+    """Model FLOPs per token of one BERT training iteration (module doc): the encoder as in the library's count
+    (the trainer's log line), and the MLM head (h x h transform and vocabulary projection) at the k masked
+    positions per sample the objective can need."""
     encoder = SimpleNamespace(hidden_size=h, num_layers=L, seq_length=s, ffn_hidden_size=4 * h)
-    return num_floating_point_operations(encoder, V, 1) / s + 6 * h * h
+    with_full_projection = num_floating_point_operations(encoder, V, 1) / s  # includes 6 h V at every position
+    k = max_masked_positions(mask_prob, s)
+    return with_full_projection - 6 * h * V + (6 * h * V + 6 * h * h) * k / s
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -274,7 +278,7 @@ def main() -> None:
             "peak_tflops": {"bf16": a.bf16_peak_tflops, "fp8": FP8_PEAK_TFLOPS}}
     os.makedirs(a.results_dir, exist_ok=True)
     out_json = os.path.join(a.results_dir, "gpu_throughput.json")
-    rows, extras = [], {"losses": {}, "errors": {}, "flops_per_token": "72 L h^2 + 12 L h s + 6 h V + 6 h^2",
+    rows, extras = [], {"losses": {}, "errors": {}, "flops_per_token": "72 L h^2 + 12 L h s + (6 h V + 6 h^2) k / s, k = floor(0.15 s)",
                         "padded_vocab": vocab}
     for shape_name in shapes:
         shape = dict(SHAPES[shape_name], micro_batch_size=a.micro_batch_size or SHAPES[shape_name]["micro_batch_size"])
