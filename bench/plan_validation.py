@@ -88,8 +88,8 @@ TINY = [
     ("tiny_bert_mb2_none", "pretrain_bert.py", 1, f"{BERT_TINY} {_mb(2, 2)}"),
 ]
 
-# measurements recorded earlier (file under bench/, config, GPUs, flags, ms/iter, peak GiB); the runs of
-# earlier source versions are kept in bench/experiments/results
+# measurements recorded earlier (file under bench/, config, GPUs, flags, ms/iter, peak GiB); runs whose flags have
+# no row in the current throughput table are kept, with their provenance, in results/plan_records.md
 RECORDS = [
     ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_none", 1, f"{GPT_1B3} {_mb(8, 8)}", 252.8, 47.9),
     ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_selective", 1, f"{GPT_1B3} {_mb(8, 8)} {SEL}", 262.9, 41.9),
@@ -99,17 +99,17 @@ RECORDS = [
      325.1, 25.4),
     ("results/gpu_throughput_recompute.md", "gpt1.3b_mb8_full_block12", 1, f"{GPT_1B3} {_mb(8, 8)} "
      "--recompute-granularity full --recompute-method block --recompute-num-layers 12", 288.2, 36.6),
-    ("experiments/results/gpu_throughput_final_check.md", "gpt1.3b_mb8_sel12", 1, f"{GPT_1B3} {_mb(8, 8)} {SEL_12}",
+    ("results/plan_records.md", "gpt1.3b_mb8_sel12", 1, f"{GPT_1B3} {_mb(8, 8)} {SEL_12}",
      266.0, 44.9),
-    ("experiments/results/gpu_throughput_fp8_sweep.md", "gpt1.3b_mb8_sel12_fp8", 1,
+    ("results/plan_records.md", "gpt1.3b_mb8_sel12_fp8", 1,
      f"{GPT_1B3} {_mb(8, 8)} {SEL_12} {FP8}", 224.0, 45.2),
     ("results/multi_gpu.md", "gpt1.3b_dp2_distopt", 2, f"{GPT_1B3} {_mb(8, 16)} {SEL_12} "
      "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather", 265.3, 37.5),
     ("results/multi_gpu.md", "gpt1.3b_tp2_sp", 2, f"{GPT_1B3} {_mb(8, 8)} "
      "--tensor-model-parallel-size 2 --sequence-parallel", 164.5, 27.1),
-    ("experiments/results/gpu_throughput_fp8_sweep.md", "gpt124m_mb16_none_cuda_graph", 1,
+    ("results/plan_records.md", "gpt124m_mb16_none_cuda_graph", 1,
      f"{GPT_124M} {_mb(16, 16)} --enable-cuda-graph", 34.5, 8.3),
-    ("experiments/results/gpu_throughput_fp8_sweep.md", "gpt124m_mb16_none_fp8_cuda_graph", 1,
+    ("results/plan_records.md", "gpt124m_mb16_none_fp8_cuda_graph", 1,
      f"{GPT_124M} {_mb(16, 16)} {FP8} --enable-cuda-graph", 33.4, 7.7),
     ("results/multi_gpu.md", "gpt1.3b_pp2", 2, f"{GPT_1B3} {_mb(4, 32)} --pipeline-model-parallel-size 2",
      584.9, 24.2),
