@@ -186,7 +186,7 @@ def test_losses_and_grad_norms_match_across_layouts(vocab, tmp_path):
     run_distributed(_layouts, 4, (vocab, str(tmp_path)))
     for name in [*LAYOUTS, *LAYOUTS_4]:
         ref_hist = reference_4 if name.endswith("_4layers") else reference
-        files = sorted(p for p in os.listdir(tmp_path) if p.startswith(name))
+        files = sorted(p for p in os.listdir(tmp_path) if p.startswith(f"{name}_rank"))
         assert files, name
         for fname in files:
             with open(tmp_path / fname) as f:
@@ -263,18 +263,19 @@ def test_fp8_tracks_bf16(vocab):
     """--fp8-format hybrid (E4M3 forward, E5M2 gradients; on CPU torch._scaled_mm does the same arithmetic as the
     GPU) against the same run in bf16, from the same initial weights and data, at every iteration.
 
-    Tolerance: FP8 E4M3 keeps 3 mantissa bits, so each quantized GEMM operand is off by up to 2^-4 (6%) relative;
-    summed over the 32-wide dot products of this model the errors average out to about 1% on an output, and
-    the loss, an average over all masked positions and samples, moves far less. Measured here: the lm and sop
-    losses stay within ~1% of bf16 over eight iterations and the grad norm within a few percent; 3% and 10% leave
-    room for other CPUs while still failing if FP8 broke a layer (a wrong scale gives an error of order 1)."""
+    Tolerance: the loss is an average over every masked position (and the SOP loss over every sample) of a batch,
+    so the per-element FP8 rounding (E4M3 keeps 3 mantissa bits) averages out; per iteration, over eight
+    iterations of this model, the measured relative gaps to bf16 are at most 2.2e-4 (lm loss), 8.6e-4 (sop loss)
+    and 3.1e-3 (grad norm, a sum of squares of the quantized gradients). The bounds, about five times those, leave
+    room for another CPU's rounding while a wrong scale or a skipped quantization (gaps of order 1, or none) fails.
+    """
     bf16 = _history(pretrain_bert.main(_argv(vocab, 8, bf16=True), datasets=in_memory_datasets))
     fp8 = _history(pretrain_bert.main(_argv(vocab, 8, bf16=True, **{"fp8-format": "hybrid"}),
                                       datasets=in_memory_datasets))
     assert len(fp8) == len(bf16) == 8
     assert fp8 != bf16  # the GEMMs really ran in FP8
     for it, (got, ref) in enumerate(zip(fp8, bf16)):
-        for key, rel in (("lm loss", 0.03), ("sop loss", 0.03), ("grad_norm", 0.10)):
+        for key, rel in (("lm loss", 1e-3), ("sop loss", 5e-3), ("grad_norm", 2e-2)):
             assert got[key] == pytest.approx(ref[key], rel=rel), (it + 1, key, got[key], ref[key])
 
 
