@@ -243,14 +243,21 @@ def test_half_precision_trains(precision, vocab, capsys):
     assert halved == [it for it in skipped if it - 1 in skipped] and len(skipped) <= 3, (halved, skipped)
 
 
-@pytest.mark.parametrize("recompute", [
-    {"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1},
-    {"recompute-granularity": "full", "recompute-method": "block", "recompute-num-layers": 1},
-    {"recompute-granularity": "selective"},
+@pytest.mark.parametrize("recompute,per_microbatch", [
+    # uniform: groups of one layer, both recomputed; block: only the first layer; selective: each attention core
+    ({"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1}, 2),
+    ({"recompute-granularity": "full", "recompute-method": "block", "recompute-num-layers": 1}, 1),
+    ({"recompute-granularity": "selective"}, 2),
 ], ids=["full-uniform", "full-block", "selective"])
-def test_recomputation_gives_the_same_losses(recompute, vocab, no_recompute_history):
-    """fp32, dropout 0: recomputation reruns the same arithmetic, so every value is bit for bit the same."""
+def test_recomputation_gives_the_same_losses(recompute, per_microbatch, vocab, no_recompute_history, monkeypatch):
+    """fp32, dropout 0: recomputation reruns the same arithmetic, so every value is bit for bit the same. The
+    recompute checkpoint is counted, so a run that silently kept every activation would fail."""
+    from megatron.core import tensor_parallel
+
+    calls, checkpoint = [], tensor_parallel.checkpoint
+    monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
     got = _history(pretrain_bert.main(_argv(vocab, 4, **recompute), datasets=in_memory_datasets))
+    assert len(calls) == 4 * 4 * per_microbatch, len(calls)  # 4 iterations of 4 microbatches
     assert got == no_recompute_history
 
 
