@@ -52,6 +52,13 @@ def test_refuses_a_file_needing_another_global(tmp_path):
     assert "posix.system" in str(err.value) or "os.system" in str(err.value)
     assert "\n" not in str(err.value)
     assert not os.path.exists("/tmp/_ckpt_exploit_ran")
+    with open(path, "rb") as f:
+        head = f.read(100)
+    with open(path, "wb") as f:  # a truncated file: one line saying so
+        f.write(head)
+    with pytest.raises(CheckpointFormatError, match=r"model_optim_rng.pt is not a complete torch file \(truncated or "
+                       r"of another kind: PytorchStreamReader failed reading zip archive: [^.\n]*\)$"):
+        load_megatron_file(path)
 
 
 def test_megatron_model_gives_megatron_core_logits():
