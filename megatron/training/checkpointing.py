@@ -20,7 +20,7 @@ from megatron.core import tensor_parallel
 from megatron.core.checkpoint_formats.common import rank_files
 from megatron.core.checkpoint_formats.load_time import checkpoint_format, saved_layout
 from megatron.core.checkpoint_formats.reshard import layout_of
-from megatron.core.checkpoint_formats.safe_load import to_plain
+from megatron.core.checkpoint_formats.safe_load import describe_load_error, to_plain
 from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpoint_folder as cfold
@@ -181,7 +181,7 @@ def read_saved_args(root: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # truncated file, bad zip, foreign pickle
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(describe_load_error(path, exc)) from exc
     saved = state.get("args")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} holds no stored arguments")
@@ -224,7 +224,7 @@ def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated file, bad zip, foreign pickle
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(describe_load_error(path, exc)) from exc
     if len(model) == 1:
         keys = ["model"]
     else:

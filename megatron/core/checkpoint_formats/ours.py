@@ -12,7 +12,7 @@ from megatron.core.checkpoint_formats import optimizer_state as optim
 from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
                                                      rank_dir, rank_files, read_tracker, write_tracker)
 from megatron.core.checkpoint_formats.layout import ModelDims
-from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, describe_load_error
 
 CHECKPOINT_VERSION = 3.0
 
@@ -33,10 +33,8 @@ def read_our_checkpoint(root: str, load_optim: bool = True, load_rng: bool = Tru
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
-            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
             raise CheckpointFormatError(
-                f"cannot read {path} as our checkpoint ({type(exc).__name__}: {lines[0] if lines else ''}); "
-                "a Megatron-LM checkpoint is read with --loader megatron") from exc
+                f"{describe_load_error(path, exc)}; a Megatron-LM checkpoint is read with --loader megatron") from exc
         if not isinstance(state.get("args"), dict):
             raise CheckpointFormatError(f"{path}: 'args' is not a plain dict; not one of our checkpoints")
         first = first or state

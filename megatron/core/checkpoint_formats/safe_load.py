@@ -11,6 +11,8 @@ global is refused before unpickling, with one line naming the global.
 from __future__ import annotations
 
 import argparse
+import pickle
+import re
 from typing import Any, Dict
 
 import numpy as np
@@ -92,7 +94,7 @@ def load_megatron_file(path: str) -> Any:
     try:
         needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as exc:  # not a zip file, truncated, ...
-        raise CheckpointFormatError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointFormatError(describe_load_error(path, exc)) from exc
     refused = sorted(set(needed) - set(allowed))
     if refused:
         raise CheckpointFormatError(
@@ -108,13 +110,30 @@ def load_megatron_file(path: str) -> Any:
         raise CheckpointFormatError(f"cannot read checkpoint {path}: {type(exc).__name__}: {_one_line(exc)}") from exc
 
 
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes torch puts in its messages
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+
+
 def _one_line(exc: Exception) -> str:
-    """The informative line of torch's multi-line weights-only error."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for ln in lines:
-        if ln.startswith(("Unsupported global", "Can only build", "Trying to")):
-            return ln
-    return lines[0] if lines else type(exc).__name__
+    """The informative part of torch's multi-line weights-only error: the refused global, or the first sentence."""
+    text = _ESCAPES.sub("", str(exc))
+    found = _GLOBAL.search(text)
+    if found:
+        return f"it needs the unpickling global {found.group(1)}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0].split(". ")[0].rstrip(".") if lines else type(exc).__name__
+
+
+def describe_load_error(path: str, exc: Exception) -> str:
+    """One line for a file that ``torch.load(weights_only=True)`` refused: what the file is not, without torch's
+    advice to load it unsafely."""
+    detail = _one_line(exc)
+    if isinstance(exc, pickle.UnpicklingError):
+        return (f"{path} is not a checkpoint of this framework (it needs unpickling beyond tensors and plain types: "
+                f"{detail.removeprefix('it needs the unpickling global ')})")
+    if "zip archive" in detail or "central directory" in detail:
+        return f"{path} is not a complete torch file (truncated or of another kind: {detail})"
+    return f"cannot read {path}: {type(exc).__name__}: {detail}"
 
 
 def to_plain(obj: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron.core.checkpoint_formats.safe_load import describe_load_error
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.partition import layers_for_stage
@@ -74,7 +75,7 @@ def _read(path: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated file, foreign pickle, not a zip
-        raise CheckpointLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointLoadError(describe_load_error(path, exc)) from exc
     if not isinstance(state, dict) or not isinstance(state.get("args"), dict):
         raise CheckpointLoadError(f"{path} holds no plain 'args' dict (not a checkpoint of this framework?)")
     return state

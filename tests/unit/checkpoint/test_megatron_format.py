@@ -52,6 +52,13 @@ def test_refuses_a_file_needing_another_global(tmp_path):
     assert "posix.system" in str(err.value) or "os.system" in str(err.value)
     assert "\n" not in str(err.value)
     assert not os.path.exists("/tmp/_ckpt_exploit_ran")
+    with open(path, "rb") as f:
+        head = f.read(100)
+    with open(path, "wb") as f:  # a truncated file: one line saying so
+        f.write(head)
+    with pytest.raises(CheckpointFormatError, match=r"model_optim_rng.pt is not a complete torch file \(truncated or "
+                       r"of another kind: PytorchStreamReader failed reading zip archive: [^.\n]*\)$"):
+        load_megatron_file(path)
 
 
 def test_megatron_model_gives_megatron_core_logits():
@@ -305,8 +312,11 @@ def test_refuses_architectures_and_the_wrong_reader(tmp_path):
         with pytest.raises(CheckpointFormatError, match=flag):
             check_supported_args({key: value}, "f.pt")
     check_supported_args({"swiglu": False, "num_experts": None, "transformer_impl": "local"}, "f.pt")
-    with pytest.raises(CheckpointFormatError, match="--loader megatron"):
+    with pytest.raises(CheckpointFormatError) as err:
         read_our_checkpoint(FIXTURE)
+    assert str(err.value).endswith(  # one clean line: no torch advice, no terminal escape codes
+        "mp_rank_00/model_optim_rng.pt is not a checkpoint of this framework (it needs unpickling beyond tensors and "
+        "plain types: argparse.Namespace); a Megatron-LM checkpoint is read with --loader megatron"), str(err.value)
     ckpt = read_megatron_checkpoint(FIXTURE)
     out = str(tmp_path / "ours")
     from megatron.core.checkpoint_formats import write_our_checkpoint

@@ -5,11 +5,12 @@ The dataset is generated here: each sample is ``[CLS] A [SEP] B [SEP]`` padded t
 swapped (``is_random`` 1) half of the time, with 15% of the tokens masked. The MLM loss (the segments' unigram
 statistics) and the sentence-order loss (segment lengths and ranges) are both learnable, so training must lower
 them; and the loss and grad norm of every iteration must be the same with one process, TP2 with sequence
-parallelism, PP2 and DP2 with the distributed optimizer.
+parallelism, PP2 (plain and interleaved) and DP2 with the distributed optimizer.
 """
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -160,6 +161,9 @@ LAYOUTS = {
     "tp2": {"tensor-model-parallel-size": 2},
     "tp2_sp": {"tensor-model-parallel-size": 2, "sequence-parallel": True},
     "pp2": {"pipeline-model-parallel-size": 2},
+    # interleaved 1F1B: two model chunks of one layer per stage (stage 0 holds layers 0 and 2)
+    "pp2_vp2_4layers": {"pipeline-model-parallel-size": 2, "num-layers": 4,
+                        "num-layers-per-virtual-pipeline-stage": 1},
     "dp2_distopt": {"use-distributed-optimizer": True},
 }
 LAYOUTS_4 = {"tp2_pp2": {"tensor-model-parallel-size": 2, "pipeline-model-parallel-size": 2},
@@ -182,7 +186,7 @@ def test_losses_and_grad_norms_match_across_layouts(vocab, tmp_path):
     run_distributed(_layouts, 4, (vocab, str(tmp_path)))
     for name in [*LAYOUTS, *LAYOUTS_4]:
         ref_hist = reference_4 if name.endswith("_4layers") else reference
-        files = sorted(p for p in os.listdir(tmp_path) if p.startswith(name))
+        files = sorted(p for p in os.listdir(tmp_path) if p.startswith(f"{name}_rank"))
         assert files, name
         for fname in files:
             with open(tmp_path / fname) as f:
@@ -206,6 +210,116 @@ def test_resume_is_bit_exact_with_dropout(vocab, tmp_path):
     assert [row["iteration"] for row in second["history"]] == [4, 5, 6]
     assert _history(first) == whole[:3]
     assert resumed == whole[3:]
+
+
+def _loss_scales(out: str):
+    return [float(x) for x in re.findall(r"\| loss scale: ([0-9.]+) \|", out)]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_trains(precision, vocab, capsys):
+    """bf16 and fp16 through pretrain_bert.py: finite losses that fall, and the loss scale of every iteration in
+    the log line (1.0 without fp16). fp16 starts its dynamic scale at 2^12 and doubles it after every window of 4
+    clean steps; a step whose scaled gradients overflow is skipped (no grad norm), and with Megatron's default
+    hysteresis of 2 the scale halves at the second overflow in a row."""
+    iters = 30
+    flags = {"bf16": True} if precision == "bf16" else {"fp16": True, "initial-loss-scale": 4096,
+                                                        "loss-scale-window": 4}
+    summary = pretrain_bert.main(_argv(vocab, iters, **flags), datasets=in_memory_datasets)
+    scales = _loss_scales(capsys.readouterr().out)
+    hist = _history(summary)
+    assert len(hist) == len(scales) == iters
+    stepped = [h for h in hist if h["grad_norm"] is not None]
+    assert np.isfinite([[h["lm loss"], h["sop loss"]] for h in hist]).all()
+    assert np.isfinite([h["grad_norm"] for h in stepped]).all()
+    assert np.mean([h["lm loss"] for h in hist[-5:]]) < 0.9 * np.mean([h["lm loss"] for h in hist[:5]])
+    if precision == "bf16":
+        assert scales == [1.0] * iters and len(stepped) == iters
+        return
+    # doubled after the first window of 4 steps, and grew through at least 4 windows in all
+    assert scales[0] == 4096.0 and scales[3] == 8192.0 and max(scales) >= 4096.0 * 2 ** 4, scales
+    assert all(b / a in (0.5, 1.0, 2.0) for a, b in zip(scales, scales[1:])), scales
+    halved = [it for it in range(1, iters) if scales[it] == scales[it - 1] / 2]
+    skipped = [it for it, h in enumerate(hist) if h["grad_norm"] is None]
+    assert halved == [it for it in skipped if it - 1 in skipped] and len(skipped) <= 3, (halved, skipped)
+
+
+@pytest.mark.parametrize("recompute,per_microbatch", [
+    # uniform: groups of one layer, both recomputed; block: only the first layer; selective: each attention core
+    ({"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1}, 2),
+    ({"recompute-granularity": "full", "recompute-method": "block", "recompute-num-layers": 1}, 1),
+    ({"recompute-granularity": "selective"}, 2),
+], ids=["full-uniform", "full-block", "selective"])
+def test_recomputation_gives_the_same_losses(recompute, per_microbatch, vocab, no_recompute_history, monkeypatch):
+    """fp32, dropout 0: recomputation reruns the same arithmetic, so every value is bit for bit the same. The
+    recompute checkpoint is counted, so a run that silently kept every activation would fail."""
+    from megatron.core import tensor_parallel
+
+    calls, checkpoint = [], tensor_parallel.checkpoint
+    monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    got = _history(pretrain_bert.main(_argv(vocab, 4, **recompute), datasets=in_memory_datasets))
+    assert len(calls) == 4 * 4 * per_microbatch, len(calls)  # 4 iterations of 4 microbatches
+    assert got == no_recompute_history
+
+
+@pytest.fixture(scope="module")
+def no_recompute_history(vocab):
+    return _history(pretrain_bert.main(_argv(vocab, 4), datasets=in_memory_datasets))
+
+
+def test_fp8_tracks_bf16(vocab):
+    """--fp8-format hybrid (E4M3 forward, E5M2 gradients; on CPU torch._scaled_mm does the same arithmetic as the
+    GPU) against the same run in bf16, from the same initial weights and data, at every iteration.
+
+    Tolerance: the loss is an average over every masked position (and the SOP loss over every sample) of a batch,
+    so the per-element FP8 rounding (E4M3 keeps 3 mantissa bits) averages out; per iteration, over eight
+    iterations of this model, the measured relative gaps to bf16 are at most 2.2e-4 (lm loss), 8.6e-4 (sop loss)
+    and 3.1e-3 (grad norm, a sum of squares of the quantized gradients). The bounds, about five times those, leave
+    room for another CPU's rounding while a wrong scale or a skipped quantization (gaps of order 1, or none) fails.
+    """
+    bf16 = _history(pretrain_bert.main(_argv(vocab, 8, bf16=True), datasets=in_memory_datasets))
+    fp8 = _history(pretrain_bert.main(_argv(vocab, 8, bf16=True, **{"fp8-format": "hybrid"}),
+                                      datasets=in_memory_datasets))
+    assert len(fp8) == len(bf16) == 8
+    assert fp8 != bf16  # the GEMMs really ran in FP8
+    for it, (got, ref) in enumerate(zip(fp8, bf16)):
+        for key, rel in (("lm loss", 1e-3), ("sop loss", 5e-3), ("grad_norm", 2e-2)):
+            assert got[key] == pytest.approx(ref[key], rel=rel), (it + 1, key, got[key], ref[key])
+
+
+def _megatron_layout_resume(rank, world, vocab, ckpt, out_dir):
+    drop = {"attention-dropout": 0.1, "hidden-dropout": 0.1, "tensor-model-parallel-size": 2}
+    whole = pretrain_bert.main(_argv(vocab, 6, **drop), datasets=in_memory_datasets)
+    first = pretrain_bert.main(_argv(vocab, 6, **drop, **{"exit-interval": 3, "save": ckpt,
+                                                          "ckpt-layout": "megatron"}), datasets=in_memory_datasets)
+    second = pretrain_bert.main(_argv(vocab, 6, **drop, **{"load": ckpt}), datasets=in_memory_datasets)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"whole": whole["history"], "first": first["history"], "second": second["history"]}, f)
+
+
+def test_megatron_layout_resume_is_bit_exact_tp2_with_dropout(vocab, tmp_path):
+    """--save --ckpt-layout megatron at TP=2 (gloo), then --load: iterations 4-6 print the losses, sop accuracy and
+    grad norms of the uninterrupted run bit for bit (dropout on, so the RNG state came back too), and the files are
+    Megatron-LM's (pickled args with the consumed samples, per-rank ``mp_rank_TT`` folders)."""
+    from megatron.core.checkpoint_formats import load_megatron_file
+    from megatron.core.checkpoint_formats.safe_load import to_plain
+
+    ckpt, out_dir = str(tmp_path / "ckpt"), tmp_path / "out"
+    out_dir.mkdir()
+    run_distributed(_megatron_layout_resume, 2, (vocab, ckpt, str(out_dir)))
+    for rank in (0, 1):
+        with open(out_dir / f"rank{rank}.json") as f:
+            runs = json.load(f)
+        assert [r["iteration"] for r in runs["first"]] == [1, 2, 3]
+        assert [r["iteration"] for r in runs["second"]] == [4, 5, 6]
+        assert runs["first"] + runs["second"] == runs["whole"]
+    folder = os.path.join(ckpt, "iter_0000003")
+    assert sorted(os.listdir(folder)) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
+    for tp_rank in (0, 1):
+        state = load_megatron_file(os.path.join(folder, f"mp_rank_{tp_rank:02d}", "model_optim_rng.pt"))
+        args = to_plain(state["args"])
+        assert (args["consumed_train_samples"], args["tensor_model_parallel_size"], state["iteration"]) == (24, 2, 3)
+        assert "lm_head.dense.weight" in state["model"] and "binary_head.weight" in state["model"]
 
 
 @pytest.mark.parametrize("script,world", [("pretrain_bert.sh", 8), ("pretrain_bert_distributed.sh", 32)])
