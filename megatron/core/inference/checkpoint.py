@@ -114,13 +114,17 @@ def _read_checkpoint(load: str, it_dir: str, iteration: Optional[int]) -> Loaded
             load_megatron_file(files[min(files)])
             raise CheckpointFormatError(f"{files[min(files)]} is not a checkpoint file of a known format")
         if fmt == "ours":
+            for path in rank_files(it_dir).values():
+                if torch.serialization.get_unsafe_globals_in_checkpoint(path):  # a pickled class: say which one
+                    load_megatron_file(path)
             ckpt = read_our_checkpoint(load, load_optim=False, load_rng=False, iteration=iteration)
         else:
             ckpt = read_megatron_checkpoint(load, GPT, load_optim=False, load_rng=False, iteration=iteration)
     except CheckpointFormatError as exc:
         raise CheckpointLoadError(str(exc)) from exc
-    except OSError as exc:
-        raise CheckpointLoadError(f"cannot read checkpoint {it_dir}: {exc}") from exc
+    except (OSError, RuntimeError) as exc:  # a file that vanished or broke while being read
+        raise CheckpointLoadError(f"cannot read checkpoint {it_dir}: {type(exc).__name__}: "
+                                  f"{(str(exc).splitlines() or [''])[0]}") from exc
     return ckpt
 
 
