@@ -119,3 +119,20 @@ def test_local_tasks_equal_hf(tmp_path, monkeypatch):
     ids = tok.tokenize(text)
     want = _hf_loglikelihood(hf, [tok.eod], ids)[0]
     assert abs(rolling - want) < 1e-4
+
+
+def test_model_args_are_checked(tmp_path, capsys):
+    """An unknown --model_args key is refused with the accepted ones listed; the module's command line runs the
+    harness with the model registered."""
+    from megatron.core.inference import lm_eval_adapter
+
+    with pytest.raises(ValueError, match=r"unknown key lod; accepted: load, iteration, batch_size"):
+        MegatronLiteLM(lod="x")
+    with pytest.raises(ValueError, match="load=CKPT .* is required"):
+        MegatronLiteLM()
+    ckpt = str(tmp_path / "ckpt")
+    write_checkpoint(ckpt, tiny_args(padded_vocab_size=50304))
+    assert lm_eval_adapter.main(["--model_args", f"load={ckpt},bogus=1", "--tasks", "local_x",
+                                 "--include_path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --model_args: unknown key bogus; accepted: load,"), err

@@ -106,3 +106,20 @@ def test_tensor_parallel_server(ckpt):
     finally:
         server.terminate()  # torchrun passes SIGTERM to both ranks (and itself exits non-zero, as it does)
         server.wait(timeout=120)
+
+
+def test_lm_eval_adapter_command_line(capsys):
+    """``python -m megatron.core.inference.lm_eval_adapter`` is the command (``lm_eval --model`` cannot find a
+    model registered by another module): its help names it, and ``--model`` is refused in one line."""
+    from megatron.core.inference import lm_eval_adapter
+
+    assert lm_eval_adapter.main(["--model", "hf"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --model is set to megatron_lite by this module; give the "
+                                               "checkpoint with --model_args load=CKPT")
+    try:
+        lm_eval_adapter.main(["--help"])  # lm_eval's own help follows (and exits) when it is installed
+    except SystemExit:
+        pass
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m megatron.core.inference.lm_eval_adapter --model_args load=CKPT")
+    assert "model_args keys: load, iteration" in out
