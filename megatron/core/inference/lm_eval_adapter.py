@@ -86,6 +86,22 @@ class MegatronLiteLM(LM):
             raise ValueError(f"--model_args max_length must be in [2, {self.engine.max_length}], "
                              f"got {self.max_length}")
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config=None):
+        """``--model_args`` first; the harness's own ``--batch_size``, ``--max_batch_size`` and ``--device`` fill
+        what they leave unset."""
+        args = dict(arg_dict)
+        for key, value in (additional_config or {}).items():
+            if value is not None and key in MODEL_ARGS and key not in args:
+                args[key] = value
+        return cls(**args)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config=None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     # ---- scoring -----------------------------------------------------------------------------------------
     def _score(self, pairs: List[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:
         """``(context ids, target ids)`` -> (sum of the targets' log-probs, every target the argmax)."""
