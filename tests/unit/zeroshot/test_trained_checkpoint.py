@@ -49,9 +49,9 @@ def test_trained_checkpoint_matches_hf(trained, tmp_path):
                           "--overlapping-eval", "8"]))
     want = reference_wikitext(hf, tok, WIKI, seq, 8)
     assert abs(got["avg loss"] - want["avg loss"]) < 1e-4
-    lambada = lambada_with_model_endings(trained, tok, str(tmp_path / "lambada.jsonl"))
-    got = run(parse_args(["--load", trained, "--task", "LAMBADA", "--valid-data", lambada, "--strict-lambada"]))
-    correct, total = reference_lambada(hf, tok, lambada, True, seq=seq)
+    lambada = lambada_with_model_endings(trained, tok, str(tmp_path / "lambada.jsonl"), whole_words=False)
+    got = run(parse_args(["--load", trained, "--task", "LAMBADA", "--valid-data", lambada]))
+    correct, total = reference_lambada(hf, tok, lambada, False, seq=seq)
     assert (got["number correct"], got["total examples"]) == (correct, total)
     assert 0 < correct < total
 
@@ -92,7 +92,7 @@ def test_megatron_layout_checkpoint_scores_as_our_layout(tmp_path_factory, tmp_p
                       megatron_ckpt, "--save-dir", ours)
     assert rc == 0, err
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
-    lambada = lambada_with_model_endings(ours, tok, str(tmp_path / "lambada.jsonl"))
+    lambada = lambada_with_model_endings(ours, tok, str(tmp_path / "lambada.jsonl"), whole_words=False)
     results = {}
     for name, ckpt in (("megatron", megatron_ckpt), ("ours", ours)):
         results[name] = [run(parse_args(["--load", ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI,

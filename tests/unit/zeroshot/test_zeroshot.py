@@ -100,17 +100,20 @@ def _word_tokens(tok) -> torch.Tensor:
     return mask
 
 
-def lambada_with_model_endings(ckpt, tok, out_path, source=None):
-    """The fixture passages, every other one ending in the word the model itself predicts next (its most likely
-    whole-word token), so that accuracy is neither 0 nor 1, strict or not."""
+def lambada_with_model_endings(ckpt, tok, out_path, whole_words=True):
+    """The fixture passages, every other one ending in what the model itself predicts next, so that accuracy is
+    neither 0 nor 1: its most likely whole-word token (right under --strict-lambada too when that is also its
+    argmax), or with ``whole_words=False`` its argmax token whatever it is (a barely trained model's is a
+    newline or a punctuation mark)."""
     engine = InferenceEngine(load_gpt_for_inference(ckpt).model, tokenizer=tok)
-    words = _word_tokens(tok)
-    lines = [json.loads(line)["text"] for line in open(source or LAMBADA, encoding="utf-8")]
+    words = _word_tokens(tok) if whole_words else torch.ones(tok.vocab_size, dtype=torch.bool)
+    lines = [json.loads(line)["text"] for line in open(LAMBADA, encoding="utf-8")]
     with open(out_path, "w") as f:
         for i, text in enumerate(lines):
             if i % 2 == 0:
                 context = text[:text.rfind(text.split()[-1])].rstrip()
-                logits = engine.forward_logits(torch.tensor([tok.tokenize(context)]))[0, -1, :tok.vocab_size]  # [V]
+                ids = tok.tokenize(context)[-engine.model.config.seq_length:]  # the window tasks/main.py scores
+                logits = engine.forward_logits(torch.tensor([ids]))[0, -1, :tok.vocab_size]  # [V]
                 best = int(logits.masked_fill(~words, float("-inf")).argmax())
                 text = context + tok.detokenize([best])
             f.write(json.dumps({"text": text}) + "\n")
