@@ -151,6 +151,10 @@ def test_bad_inputs(setup, tmp_path):
     bad.write_text('{"text": "fine passage here"}\n{"txt": 1}\n')
     with pytest.raises(ValueError, match="line 2: expected a JSON object with a 'text' string"):
         _run(ckpt, "--task", "LAMBADA", "--valid-data", str(bad))
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "\xff"}\n')
+    for task in ("LAMBADA", "WIKITEXT103"):
+        with pytest.raises(ValueError, match=rf"^--valid-data {bad}: not UTF-8 text \(byte 0xff on line 2\)$"):
+            _run(ckpt, "--task", task, "--valid-data", str(bad))
     with pytest.raises(SystemExit):
         parse_args(["--load", ckpt, "--task", "LAMBADA", "--valid-data", str(tmp_path / "missing.jsonl")])
     with pytest.raises(ValueError, match="exceeds the model's 48 positions"):
