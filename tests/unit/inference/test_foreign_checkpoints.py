@@ -4,8 +4,10 @@
 import json
 import os
 
+import pytest
 import torch
 
+from megatron.core.inference import InferenceEngine, SamplingParams, load_gpt_for_inference
 from tests.unit.checkpoint.helpers import FIXTURE
 from tests.unit.checkpoint.test_convert import _run as convert
 from tools import generate
@@ -48,3 +50,20 @@ def test_generate_reads_the_megatron_fixture_like_our_layout(tmp_path, capsys):
         want = logp[torch.arange(n - 1), golden["tokens"][i % 2, 1:n]]  # the record lists log p(t_k | t_<k) from k = 1
         torch.testing.assert_close(torch.tensor(record["logprobs"][:n - 1], dtype=torch.float64), want,
                                    rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("fixture,golden_of", [("megatron_gpt_tp2", "megatron_gpt_tp2"),
+                                               ("megatron_gpt_dist", "megatron_gpt")])
+def test_tp2_release_and_torch_dist_checkpoints_score_as_megatron_core(fixture, golden_of):
+    """Megatron-LM's TP=2 ``release`` folder (re-joined to TP=1) and Megatron-Core's ``torch_dist`` folder (the
+    legacy fixture's weights saved again): the prompt log-probs are Megatron-Core's own logits'."""
+    root = os.path.dirname(FIXTURE)
+    golden = torch.load(os.path.join(root, golden_of, "golden.pt"), weights_only=True)
+    loaded = load_gpt_for_inference(os.path.join(root, fixture), dtype=torch.float32)
+    engine = InferenceEngine(loaded.model, vocab_size=golden["logits"].shape[-1])
+    prompts = golden["tokens"].tolist()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=0, logprobs=True, stop_on_eod=False))
+    for i, out in enumerate(outs):
+        logp = golden["logits"][i].double().log_softmax(-1)  # [s, V]
+        want = logp[torch.arange(len(prompts[i]) - 1), golden["tokens"][i, 1:]]
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-4)
