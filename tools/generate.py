@@ -24,6 +24,11 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core.inference.launch import add_model_arguments, build_engine, is_output_rank, run_tool  # noqa: E402
 from megatron.core.inference.sampling import SamplingParams  # noqa: E402
+from megatron.core.inference.zeroshot_data import read_text  # noqa: E402
+
+# SamplingParams field -> the flag that sets it, for error messages
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+          "top_p": "--top-p"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,7 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             top_p=args.top_p, seed=args.seed, stop_on_eod=not args.ignore_eod, stop_on_eol=args.stop_on_eol,
             stop_strings=tuple(args.stop), logprobs=args.logprobs)
     except ValueError as exc:
-        p.error(str(exc).replace("max_new_tokens", "--max-new-tokens").replace("top_", "--top-"))
+        message = str(exc)
+        for field, flag in _FLAGS.items():
+            message = message.replace(field, flag)
+        p.error(message)
     return args
 
 
@@ -62,8 +70,7 @@ def read_prompts(args) -> list:
     if args.prompt_file:
         if not os.path.isfile(args.prompt_file):
             raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        prompts += [line for line in read_text(args.prompt_file, "--prompt-file").split("\n") if line.strip()]
     if not prompts and not args.prompt_file:
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

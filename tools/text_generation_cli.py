@@ -3,7 +3,8 @@
     python tools/text_generation_cli.py localhost:5000 [--tokens-to-generate 64] [--top-p 0.9] [--greedy]
 
 Reads a prompt per line, sends it to ``PUT /api`` and prints the continuation; an empty line or end of input
-quits.
+quits. A server that cannot be reached ends the client at once (exit status 1); a request the server refuses is
+reported and the next prompt is read, and the exit status is 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import json
 import sys
 import urllib.error
 import urllib.request
+
+
+class ServerUnreachable(RuntimeError):
+    """No answer from the address at all (refused, unknown host, timed out)."""
 
 
 def put_api(address: str, payload: dict, timeout: float = 600.0) -> dict:
@@ -29,7 +34,9 @@ def put_api(address: str, payload: dict, timeout: float = 600.0) -> dict:
             message = exc.reason
         raise RuntimeError(f"server answered {exc.code}: {message}") from None
     except urllib.error.URLError as exc:
-        raise RuntimeError(f"cannot reach http://{address}: {exc.reason}") from None
+        raise ServerUnreachable(f"cannot reach http://{address}: {exc.reason}") from None
+    except OSError as exc:  # a timeout or a connection reset while reading the answer
+        raise ServerUnreachable(f"no answer from http://{address}: {exc}") from None
 
 
 def main(argv=None) -> int:
@@ -45,12 +52,13 @@ def main(argv=None) -> int:
     if ":" not in args.address:
         p.error(f"address must be HOST:PORT, got {args.address!r}")
     interactive = sys.stdin.isatty()
+    sent = failed = 0
     while True:
         if interactive:
             print("Enter prompt (empty line quits): ", end="", flush=True)
         line = sys.stdin.readline()
         if not line or not line.strip():
-            return 0
+            break
         payload = {"prompts": [line.rstrip("\n")], "tokens_to_generate": args.tokens_to_generate}
         if args.greedy:
             payload["temperature"] = 0.0
@@ -58,13 +66,21 @@ def main(argv=None) -> int:
             payload.update(temperature=args.temperature, top_k=args.top_k, top_p=0.0 if args.top_k else args.top_p)
         if args.seed is not None:
             payload["random_seed"] = args.seed
+        sent += 1
         try:
             answer = put_api(args.address, payload)
+        except ServerUnreachable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         except RuntimeError as exc:
+            failed += 1
             print(f"error: {exc}", file=sys.stderr)
             continue
         print(answer["text"][0], flush=True)
-
+    if failed:
+        print(f"error: {failed} of {sent} requests failed", file=sys.stderr)
+        return 1
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,26 +1,31 @@
-"""Read this framework's training checkpoints for inference, at any tensor-parallel size, as one pipeline stage.
+"""Read a GPT training checkpoint for inference, at any tensor/pipeline-parallel size.
 
 A checkpoint directory holds ``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/mp_rank_TT[_PPP]/
-model_optim_rng.pt`` (``release/`` when the tracker says ``release``). Every file loads with
-``torch.load(weights_only=True)``; the training arguments are stored in it as a plain dict, and the model is
-rebuilt from them, so inference needs no model flags.
+model_optim_rng.pt`` (``release/`` when the tracker says ``release``). The files are read by the trainer's own
+readers in ``megatron.core.checkpoint_formats``: ours (``torch.load(weights_only=True)``, arguments stored as a
+plain dict), Megatron-LM's legacy files (also as our trainer writes them with ``--ckpt-layout megatron``: a pickled
+``argparse.Namespace`` read through an allowlist of inert stand-ins) and Megatron-Core's ``torch_dist`` folders
+(model weights only). The model is rebuilt from the stored arguments, so inference needs no model flags.
 
-The pipeline stages of the checkpoint are joined into one model (layer numbers shifted by each stage's offset,
-the tied copy of the output weight on the last stage dropped). When the checkpoint's tensor-parallel size equals
-the one asked for, each rank reads only its own files; otherwise the shards are concatenated along each
-parameter's partition dimension and re-split for the asked size.
+Every rank's file is read; when the saved layout differs from the asked one, ``state_for_rank`` reshards the
+model (pipeline stages joined and split evenly again, tensor shards concatenated and re-split, the vocabulary
+padded for the asked TP size as the trainer pads it). Only model weights are kept.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
-from megatron.core.checkpoint_formats.safe_load import describe_load_error
+from megatron.core.checkpoint_formats import (GPT, CheckpointFormatError, LoadedCheckpoint, dims_from_args,
+                                              load_megatron_file, read_megatron_checkpoint, read_our_checkpoint,
+                                              state_for_rank)
+from megatron.core.checkpoint_formats.common import rank_files
+from megatron.core.checkpoint_formats.load_time import checkpoint_format
+from megatron.core.checkpoint_formats.reshard import layout_of
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.partition import layers_for_stage
@@ -28,7 +33,6 @@ from megatron.core.transformer.config import TransformerConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 class CheckpointLoadError(RuntimeError):
@@ -69,52 +73,6 @@ def _rank_file(it_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return os.path.join(it_dir, name, "model_optim_rng.pt")
 
 
-def _read(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise CheckpointLoadError(f"checkpoint file {path} is missing")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated file, foreign pickle, not a zip
-        raise CheckpointLoadError(describe_load_error(path, exc)) from exc
-    if not isinstance(state, dict) or not isinstance(state.get("args"), dict):
-        raise CheckpointLoadError(f"{path} holds no plain 'args' dict (not a checkpoint of this framework?)")
-    return state
-
-
-def _stage_state(state: dict, args: dict, pp_rank: int, path: str) -> Dict[str, torch.Tensor]:
-    """The model entries of one pipeline stage's file, with layer numbers made global."""
-    pp = int(args.get("pipeline_model_parallel_size", 1) or 1)
-    vpp = args.get("virtual_pipeline_model_parallel_size")
-    chunks = ["model"] if "model" in state else [f"model{v}" for v in range(int(vpp or 1))]
-    out: Dict[str, torch.Tensor] = {}
-    for v, key in enumerate(chunks):
-        if key not in state:
-            raise CheckpointLoadError(f"{path} has no '{key}' entry")
-        offset, _ = layers_for_stage(int(args["num_layers"]), pp, pp_rank, vpp_size=vpp if len(chunks) > 1 else None,
-                                     vpp_rank=v, first_stage_layers=args.get("decoder_first_pipeline_num_layers"),
-                                     last_stage_layers=args.get("decoder_last_pipeline_num_layers"))
-        for name, tensor in state[key].items():
-            if name.endswith("._extra_state"):
-                continue
-            name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
-            out[name] = tensor
-    return out
-
-
-def _join_stages(it_dir: str, args: dict, tp_rank: int) -> Dict[str, torch.Tensor]:
-    pp = int(args.get("pipeline_model_parallel_size", 1) or 1)
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    merged: Dict[str, torch.Tensor] = {}
-    for p in range(pp):
-        path = _rank_file(it_dir, tp_rank, p, pp)
-        stage = _stage_state(_read(path), args, p, path)
-        for name, tensor in stage.items():
-            if tied and name == "output_layer.weight" and pp > 1:
-                continue  # the last stage's copy of the tied word embedding
-            merged[name] = tensor
-    return merged
-
-
 def _first_set(args: dict, *keys: str, default):
     """The value of the first key that is set: older checkpoints store ``layernorm_epsilon``, the typed
     configuration ``norm_epsilon`` (and, for now, both)."""
@@ -145,56 +103,91 @@ def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
     )
 
 
+def _read_checkpoint(load: str, it_dir: str, iteration: Optional[int]) -> LoadedCheckpoint:
+    """Every rank's model state of the checkpoint in ``it_dir``, read by the trainer's own readers: ours (plain
+    ``torch.load(weights_only=True)``), Megatron-LM's legacy files (a pickled ``argparse.Namespace``, read through
+    the allowlist of ``checkpoint_formats.safe_load``), or a Megatron-Core ``torch_dist`` folder (weights only)."""
+    fmt = checkpoint_format(it_dir)
+    try:
+        if fmt is None:  # no readable rank file: say which file and why
+            files = rank_files(it_dir)
+            load_megatron_file(files[min(files)])
+            raise CheckpointFormatError(f"{files[min(files)]} is not a checkpoint file of a known format")
+        if fmt == "ours":
+            for path in rank_files(it_dir).values():
+                if torch.serialization.get_unsafe_globals_in_checkpoint(path):  # a pickled class: say which one
+                    load_megatron_file(path)
+            ckpt = read_our_checkpoint(load, load_optim=False, load_rng=False, iteration=iteration)
+        else:
+            ckpt = read_megatron_checkpoint(load, GPT, load_optim=False, load_rng=False, iteration=iteration)
+    except CheckpointFormatError as exc:
+        raise CheckpointLoadError(str(exc)) from exc
+    except (OSError, RuntimeError) as exc:  # a file that vanished or broke while being read
+        raise CheckpointLoadError(f"cannot read checkpoint {it_dir}: {type(exc).__name__}: "
+                                  f"{(str(exc).splitlines() or [''])[0]}") from exc
+    return ckpt
+
+
+def _plain_args(ckpt: LoadedCheckpoint) -> dict:
+    """The stored training arguments as a plain dict, with ``padded_vocab_size`` filled from the embedding rows
+    when the arguments lack it."""
+    args = dict(ckpt.args_dict)
+    if args.get("norm_epsilon") is None and args.get("layernorm_epsilon") is not None:
+        args["norm_epsilon"] = args["layernorm_epsilon"]
+    if args.get("padded_vocab_size") is None:
+        src_tp = layout_of(ckpt.model_state_per_rank)[0]
+        emb = ckpt.model_state_per_rank[(0, 0)][0].get("embedding.word_embeddings.weight")
+        if emb is None:
+            raise CheckpointLoadError(f"{ckpt.extra.get('iter_dir')}: args lack padded_vocab_size and the first "
+                                      "stage has no embedding")
+        args["padded_vocab_size"] = emb.shape[0] * src_tp
+    return args
+
+
 def load_gpt_for_inference(load: str, pstate: Optional[ParallelState] = None, iteration: Optional[int] = None,
                            dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
                            attention_backend: str = "sdpa") -> LoadedModel:
     """Build this rank's part of the GPT stored under ``load``, at ``pstate``'s TP and PP sizes (any, whatever the
-    checkpoint's), in eval mode. Layers are split evenly over the pipeline stages."""
+    checkpoint's), in eval mode. The checkpoint may be ours, Megatron-LM's legacy one (also as our trainer writes
+    it with ``--ckpt-layout megatron``) or Megatron-Core's ``torch_dist``; raises :class:`CheckpointLoadError` with
+    one line naming the directory or file."""
     pstate = pstate or ParallelState.single()
+    asked = iteration
     iteration, it_dir = resolve_iteration_dir(load, iteration)
-    single = _rank_file(it_dir, 0, 0, 1)
-    first = _read(single if os.path.isfile(single) else _rank_file(it_dir, 0, 0, 2))
-    args = dict(first["args"])
-    saved_tp = int(args.get("tensor_model_parallel_size", 1) or 1)
-    if args.get("padded_vocab_size") is None:
-        emb = first.get("model", first.get("model0", {})).get("embedding.word_embeddings.weight")
-        if emb is None:
-            raise CheckpointLoadError(f"{it_dir}: args lack padded_vocab_size and the first stage has no embedding")
-        args["padded_vocab_size"] = emb.shape[0] * saved_tp
-    config = config_from_args(args, dtype, attention_backend)
-    if config.padded_vocab_size % pstate.tp_size or config.num_attention_heads % pstate.tp_size:
-        raise CheckpointLoadError(f"tensor-parallel size {pstate.tp_size} divides neither the padded vocabulary "
-                                  f"{config.padded_vocab_size} nor {config.num_attention_heads} heads evenly")
-    if config.num_layers % pstate.pp_size:
-        raise CheckpointLoadError(f"pipeline size {pstate.pp_size} does not divide {config.num_layers} layers")
-    offset, count = layers_for_stage(config.num_layers, pstate.pp_size, pstate.pp_rank)
+    ckpt = _read_checkpoint(load, it_dir, asked)
+    args = _plain_args(ckpt)
+    try:
+        dims = dims_from_args(args)
+        src_tp, src_pp, src_vpp = layout_of(ckpt.model_state_per_rank)
+        same = (src_tp, src_pp, src_vpp) == (pstate.tp_size, pstate.pp_size, 1)
+        # resharding pads the vocabulary for the asked TP size as the trainer would; an unchanged layout keeps it
+        padded = dims.padded_vocab_size if same else dims.padded_for(pstate.tp_size)
+        args["padded_vocab_size"] = padded
+        config = config_from_args(args, dtype, attention_backend)
+        if config.num_attention_heads % pstate.tp_size:
+            raise CheckpointLoadError(f"tensor-parallel size {pstate.tp_size} does not divide the "
+                                      f"{config.num_attention_heads} attention heads of {it_dir}")
+        first = args.get("decoder_first_pipeline_num_layers") if same else None
+        last = args.get("decoder_last_pipeline_num_layers") if same else None
+        try:
+            offset, count = layers_for_stage(config.num_layers, pstate.pp_size, pstate.pp_rank,
+                                             first_stage_layers=first, last_stage_layers=last)
+        except ValueError as exc:
+            raise CheckpointLoadError(f"pipeline size {pstate.pp_size} for {it_dir}: {exc}") from exc
+        chunks, _, _ = state_for_rank(ckpt, dims, pstate.tp_size, pstate.pp_size, pstate.tp_rank, pstate.pp_rank)
+    except CheckpointFormatError as exc:
+        raise CheckpointLoadError(f"--load {load}: {exc}") from exc
     # built on default_device(); the weights are loaded below
     model = GPTModel(config, pstate, pre_process=pstate.is_pipeline_first_stage,
                      post_process=pstate.is_pipeline_last_stage, num_layers=count, layer_offset=offset)
-    tied = config.share_embeddings_and_output_weights
-
-    def global_name(name: str) -> str:
-        if tied and name == "output_layer.weight":  # the last stage's copy of the word embedding
-            return "embedding.word_embeddings.weight"
-        return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
-
-    same_tp = saved_tp == pstate.tp_size
-    shards = [_join_stages(it_dir, args, t) for t in ([pstate.tp_rank] if same_tp else range(saved_tp))]
-    state = {}
-    for name, param in model.named_parameters():
-        key = global_name(name)
-        if key not in shards[0]:
-            continue  # reported by load_state_dict below
-        if same_tp or not getattr(param, "tensor_model_parallel", False):
-            state[name] = shards[0][key]
-        else:
-            dim = param.partition_dim
-            full = torch.cat([shard[key] for shard in shards], dim=dim)
-            state[name] = full.chunk(pstate.tp_size, dim=dim)[pstate.tp_rank]
+    state = {k: v for k, v in chunks[0].items() if not k.endswith("_extra_state")}
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise CheckpointLoadError(f"checkpoint {it_dir} does not fit the model built from its args: {exc}") from exc
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        detail = [ln for ln in lines[1:] if ln.startswith(("size mismatch", "Missing", "Unexpected"))]
+        raise CheckpointLoadError(f"checkpoint {it_dir} does not fit the model built from its args: "
+                                  f"{detail[0] if detail else lines[0]}") from exc
     if device is not None:
         model.to(device)
     model.eval()

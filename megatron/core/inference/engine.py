@@ -232,7 +232,8 @@ class InferenceEngine:
                     logits = self._logits(tokens[:, prev:cur], prev, last_only=logprobs is None)
                 self.cache.offset = cur
                 if logprobs is not None and logits is not None and cur - prev > 1:  # prompt tokens in this chunk
-                    lp = F.log_softmax(logits[:, :-1], dim=-1)  # [b, cur - prev - 1, V]
+                    # over the real vocabulary, as sampling is: padding rows (zeros after resharding) get no mass
+                    lp = F.log_softmax(logits[:, :-1, :self.vocab_size].float(), dim=-1)  # [b, cur - prev - 1, V]
                     target = tokens[:, prev + 1:cur].unsqueeze(-1)  # [b, cur - prev - 1, 1]
                     logprobs[:, prev + 1:cur] = lp.gather(-1, target).squeeze(-1)
                 if cur >= total or (all(done) and (logprobs is None or cur >= max_prompt)):
@@ -297,7 +298,7 @@ class InferenceEngine:
         the sequences generating there, the ``top_logprobs`` most likely tokens."""
         if logprobs is None and not params.top_logprobs:
             return
-        lp = F.log_softmax(last, dim=-1)  # [b, V]
+        lp = F.log_softmax(last[:, :self.vocab_size].float(), dim=-1)  # [b, V] over the real vocabulary
         if logprobs is not None:
             logprobs[:, cur] = lp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         if params.top_logprobs:

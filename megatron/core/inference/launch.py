@@ -30,6 +30,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file", default=None, help="default: the checkpoint's")
     g.add_argument("--merge-file", default=None, help="default: the checkpoint's")
     g.add_argument("--tokenizer-model", default=None, help="default: the checkpoint's")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="--tokenizer-type NullTokenizer: the number of ids before the end-of-document id "
+                        "(default: the checkpoint's)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="parameter dtype (default: the checkpoint's on GPU, fp32 on CPU)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -63,7 +66,12 @@ def build_tokenizer_from(args: argparse.Namespace, saved: dict):
         if path and not os.path.exists(path) and not getattr(args, key):
             raise ValueError(f"the checkpoint's tokenizer file {path} does not exist here; give "
                              f"--{key.replace('_', '-')}")
-    return build_tokenizer(kind, **files)
+    vocab_size = None
+    if kind == "NullTokenizer":
+        vocab_size = args.vocab_size if args.vocab_size is not None else saved.get("vocab_size")
+    elif args.vocab_size is not None:
+        raise ValueError(f"--vocab-size {args.vocab_size} is read by --tokenizer-type NullTokenizer only, not {kind}")
+    return build_tokenizer(kind, vocab_size=vocab_size, **files)
 
 
 def build_engine(args: argparse.Namespace) -> tuple:

@@ -1,18 +1,24 @@
 """lm-evaluation-harness backend for this framework's checkpoints (``pip install lm_eval``; optional).
 
+Run it as a module, not as ``lm_eval``: the harness finds models only in its own registry, which this module fills
+when it is imported, so ``lm_eval --model megatron_lite`` (a new process) does not know the model. The command
+
     python -m megatron.core.inference.lm_eval_adapter --model_args load=CKPT --tasks lambada_local \\
         --include_path my_tasks/ --batch_size 8
 
-is ``lm_eval`` with the model ``megatron_lite`` registered (any other ``lm_eval`` flag works as usual). In Python,
-importing this module registers the model: ``lm_eval.simple_evaluate(model="megatron_lite",
-model_args="load=CKPT", ...)`` or pass a ``MegatronLiteLM`` instance. Model arguments: ``load`` (required),
-``iteration``, ``batch_size``, ``device``, ``dtype`` (fp32, bf16, fp16), ``max_length`` (default: the model's
-positions), ``vocab_file``, ``merge_file``, ``tokenizer_type``, ``tokenizer_model``.
+is ``lm_eval --model megatron_lite ...`` with the model registered: every other ``lm_eval`` flag works as usual
+(``--model`` is set by the module and refused). In Python, importing this module registers the model:
+``lm_eval.simple_evaluate(model="megatron_lite", model_args="load=CKPT", ...)``, or pass a ``MegatronLiteLM``
+instance. Model arguments (``--model_args k=v,...``; any other key is refused with the list below): ``load``
+(required), ``iteration``, ``batch_size``, ``max_batch_size`` (the batch for ``--batch_size auto``), ``device``,
+``dtype`` (fp32, bf16, fp16), ``max_length`` (default: the model's positions), ``tokenizer_type``,
+``vocab_file``, ``merge_file``, ``tokenizer_model``, ``vocab_size`` (NullTokenizer).
 
 Requests: ``loglikelihood`` (context, continuation) -> (sum of the continuation's log-probs, whether greedy
 decoding reproduces it), ``loglikelihood_rolling`` (the whole text's log-likelihood in disjoint windows of
 ``max_length`` after an end-of-document token) and ``generate_until`` (greedy unless ``do_sample``, stopping at
-the ``until`` strings, at most ``max_gen_toks`` tokens). One process, any checkpoint layout (loaded at TP=1).
+the ``until`` strings, at most ``max_gen_toks`` tokens). One process, any checkpoint the trainer reads (ours,
+Megatron-LM's, at any layout; loaded at TP=1).
 """
 
 from __future__ import annotations
@@ -22,34 +28,79 @@ import sys
 from typing import List, Tuple
 
 import torch
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
 
 from megatron.core.inference.checkpoint import load_gpt_for_inference
 from megatron.core.inference.engine import InferenceEngine
 from megatron.core.inference.launch import DTYPES, build_tokenizer_from
 from megatron.core.inference.sampling import SamplingParams
 
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    LM_EVAL_MISSING = None
+except ImportError as exc:  # optional: the class below then refuses to build, main() says how to install
+    LM, LM_EVAL_MISSING = object, exc
 
-@register_model("megatron_lite")
+    def register_model(name):
+        return lambda cls: cls
+
+MODEL_NAME = "megatron_lite"
+MODEL_ARGS = ("load", "iteration", "batch_size", "max_batch_size", "device", "dtype", "max_length",
+              "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
+USAGE = (f"usage: python -m megatron.core.inference.lm_eval_adapter --model_args load=CKPT[,key=value...] "
+         f"--tasks TASKS [lm_eval flags]\n  model_args keys: {', '.join(MODEL_ARGS)}")
+
+
+@register_model(MODEL_NAME)
 class MegatronLiteLM(LM):
-    def __init__(self, load: str, iteration=None, batch_size=8, device=None, dtype=None, max_length=None,
-                 vocab_file=None, merge_file=None, tokenizer_type=None, tokenizer_model=None, **unused):
+    def __init__(self, load: str = None, iteration=None, batch_size=8, max_batch_size=None, device=None,
+                 dtype=None, max_length=None, tokenizer_type=None, vocab_file=None, merge_file=None,
+                 tokenizer_model=None, vocab_size=None, **unknown):
+        if LM_EVAL_MISSING is not None:
+            raise ImportError(f"lm_eval is not installed (pip install lm_eval): {LM_EVAL_MISSING}")
+        if unknown:
+            raise ValueError(f"--model_args: unknown key {', '.join(sorted(unknown))}; accepted: "
+                             f"{', '.join(MODEL_ARGS)}")
+        if not load:
+            raise ValueError("--model_args: load=CKPT (the checkpoint directory) is required")
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+            raise ValueError(f"--model_args dtype must be one of {', '.join(DTYPES)}, got {dtype}")
         loaded = load_gpt_for_inference(load, iteration=None if iteration is None else int(iteration),
                                         dtype=DTYPES[dtype] if dtype else torch.float32,
                                         device=torch.device(device))
         flags = argparse.Namespace(vocab_file=vocab_file, merge_file=merge_file, tokenizer_type=tokenizer_type,
-                                   tokenizer_model=tokenizer_model)
+                                   tokenizer_model=tokenizer_model,
+                                   vocab_size=None if vocab_size is None else int(vocab_size))
         self.tokenizer = build_tokenizer_from(flags, loaded.args)
         self.engine = InferenceEngine(loaded.model, tokenizer=self.tokenizer)
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        if str(batch_size).isdigit() and int(batch_size) >= 1:
+            self.batch_size = int(batch_size)
+        elif str(batch_size).startswith("auto"):
+            self.batch_size = int(max_batch_size) if max_batch_size else 8
+        else:
+            raise ValueError(f"--batch_size must be a positive integer or auto, got {batch_size}")
         self.max_length = int(max_length) if max_length else self.engine.max_length
         if not 2 <= self.max_length <= self.engine.max_length:
-            raise ValueError(f"max_length must be in [2, {self.engine.max_length}], got {self.max_length}")
+            raise ValueError(f"--model_args max_length must be in [2, {self.engine.max_length}], "
+                             f"got {self.max_length}")
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config=None):
+        """``--model_args`` first; the harness's own ``--batch_size``, ``--max_batch_size`` and ``--device`` fill
+        what they leave unset."""
+        args = dict(arg_dict)
+        for key, value in (additional_config or {}).items():
+            if value is not None and key in MODEL_ARGS and key not in args:
+                args[key] = value
+        return cls(**args)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config=None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # ---- scoring -----------------------------------------------------------------------------------------
     def _score(self, pairs: List[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:
@@ -114,10 +165,26 @@ class MegatronLiteLM(LM):
 
 
 def main(argv=None) -> int:
+    """``lm_eval`` with ``--model megatron_lite``: the harness's command line, our model registered."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\n  every other flag is lm_eval's:\n")
+    if any(a == "--model" or a.startswith("--model=") for a in argv):
+        print(f"error: --model is set to {MODEL_NAME} by this module; give the checkpoint with "
+              "--model_args load=CKPT", file=sys.stderr)
+        return 2
+    if LM_EVAL_MISSING is not None:
+        print(f"error: lm_eval is not installed (pip install lm_eval, or the eval extra): {LM_EVAL_MISSING}",
+              file=sys.stderr)
+        return 2
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm_eval", "--model", "megatron_lite", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    sys.argv = ["python -m megatron.core.inference.lm_eval_adapter", "--model", MODEL_NAME, *argv]
+    try:
+        cli_evaluate()
+    except ValueError as exc:  # a bad --model_args key or value
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

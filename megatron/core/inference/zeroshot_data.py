@@ -83,11 +83,22 @@ def lm_windows(tokens: List[int], seq_length: int, pad: int, overlapping_eval: i
     return samples
 
 
+def read_text(path: str, flag: str) -> str:
+    """The UTF-8 text of ``path``; a file that is not UTF-8 is one ``ValueError`` line naming ``flag`` and the
+    file."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line})") from None
+
+
 def build_wikitext(path: str, tokenizer, seq_length: int, overlapping_eval: int,
                    flag: str = "--valid-data") -> WikiTextData:
     """The windows of a raw WikiText file; ``flag`` names the file's flag in error messages."""
-    with open(path, "rb") as f:
-        raw = f.read().decode("utf-8")
+    raw = read_text(path, flag)
     num_original = len(raw.strip().split(" "))
     tokens = tokenizer.tokenize(wikitext_detokenize(raw))
     if len(tokens) < 2:
@@ -109,25 +120,24 @@ def lambada_split(text: str, tokenizer, strict: bool) -> Tuple[List[int], List[i
 def build_lambada(path: str, tokenizer, seq_length: int, strict: bool, flag: str = "--valid-data") -> List[Sample]:
     """One sample per ``{"text": ...}`` line; ``flag`` names the file's flag in error messages."""
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{flag} {path} line {n}: expected a JSON object with a 'text' string") from None
-            if not isinstance(text, str) or not text.split():
-                raise ValueError(f"{flag} {path} line {n}: 'text' must be a non-empty string")
-            context, target = lambada_split(text, tokenizer, strict)
-            tokens = context + target
-            if len(tokens) < 2 or not target:
-                raise ValueError(f"{flag} {path} line {n}: too short to score")
-            tokens = tokens[-(seq_length + 1):]  # keep the end (the target) of an over-long passage
-            n_target = min(len(target), len(tokens) - 1)
-            mask = [0] * (len(tokens) - 1 - n_target) + [1] * n_target
-            pad = seq_length + 1 - len(tokens)
-            samples.append((tokens + [tokenizer.eod] * pad, mask + [0] * pad))
+    for n, line in enumerate(read_text(path, flag).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{flag} {path} line {n}: expected a JSON object with a 'text' string") from None
+        if not isinstance(text, str) or not text.split():
+            raise ValueError(f"{flag} {path} line {n}: 'text' must be a non-empty string")
+        context, target = lambada_split(text, tokenizer, strict)
+        tokens = context + target
+        if len(tokens) < 2 or not target:
+            raise ValueError(f"{flag} {path} line {n}: too short to score")
+        tokens = tokens[-(seq_length + 1):]  # keep the end (the target) of an over-long passage
+        n_target = min(len(target), len(tokens) - 1)
+        mask = [0] * (len(tokens) - 1 - n_target) + [1] * n_target
+        pad = seq_length + 1 - len(tokens)
+        samples.append((tokens + [tokenizer.eod] * pad, mask + [0] * pad))
     if not samples:
         raise ValueError(f"{flag} {path}: no passages")
     return samples

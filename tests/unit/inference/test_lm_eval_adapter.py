@@ -119,3 +119,39 @@ def test_local_tasks_equal_hf(tmp_path, monkeypatch):
     ids = tok.tokenize(text)
     want = _hf_loglikelihood(hf, [tok.eod], ids)[0]
     assert abs(rolling - want) < 1e-4
+
+
+def test_model_args_are_checked(tmp_path, capsys):
+    """An unknown --model_args key is refused with the accepted ones listed; the module's command line runs the
+    harness with the model registered."""
+    from megatron.core.inference import lm_eval_adapter
+
+    with pytest.raises(ValueError, match=r"unknown key lod; accepted: load, iteration, batch_size"):
+        MegatronLiteLM(lod="x")
+    with pytest.raises(ValueError, match="load=CKPT .* is required"):
+        MegatronLiteLM()
+    ckpt = str(tmp_path / "ckpt")
+    write_checkpoint(ckpt, tiny_args(padded_vocab_size=50304))
+    (tmp_path / "x.jsonl").write_text(json.dumps({"context": "The tower", "target": " was"}) + "\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "x.yaml").write_text(textwrap.dedent(f"""\
+        task: local_x
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {tmp_path / 'x.jsonl'}
+        test_split: test
+        output_type: loglikelihood
+        doc_to_text: "{{{{context}}}}"
+        doc_to_target: "{{{{target}}}}"
+        metric_list:
+          - metric: acc
+        """))
+    assert lm_eval_adapter.main(["--model_args", f"load={ckpt},bogus=1", "--tasks", "local_x",
+                                 "--include_path", str(tmp_path / "tasks")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --model_args: unknown key bogus; accepted: load,"), err
+    assert lm_eval_adapter.main(["--model_args", f"load={ckpt},device=cpu", "--tasks", "local_x",
+                                 "--include_path", str(tmp_path / "tasks"), "--batch_size", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "megatron_lite (" in table and "load" in table and "|local_x|" in table.replace(" ", "")

@@ -59,6 +59,36 @@ def test_generate_tool_errors(ckpt, tmp_path):
     assert proc.returncode == 2 and "--top-p must be in [0, 1]" in proc.stderr
 
 
+def test_generate_bad_input_lines(tmp_path, capsys):
+    """Bad flags and unreadable prompt files: one line naming the flag (and the file)."""
+    from tools import generate
+
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--load", "x", "--temperature", "-1"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: --temperature must be >= 0, got -1.0")
+    bad = tmp_path / "prompts.txt"
+    bad.write_bytes(b"fine\n\xff\xfe not text\n")
+    args = generate.parse_args(["--load", "x", "--prompt-file", str(bad)])
+    with pytest.raises(ValueError, match=rf"^--prompt-file {bad}: not UTF-8 text \(byte 0xff on line 2\)$"):
+        generate.read_prompts(args)
+
+
+def test_client_exits_non_zero_when_requests_fail(monkeypatch, capsys):
+    """An address with nothing listening ends the client at once with one line and exit status 1."""
+    import io
+    import socket
+
+    from tools import text_generation_cli
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nworld\n"))
+    assert text_generation_cli.main([f"127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot reach http://127.0.0.1:{port}:")
+
+
 def test_server_script_and_client(ckpt):
     server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools/run_text_generation_server.py"),
                                "--load", ckpt, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -73,6 +103,13 @@ def test_server_script_and_client(ckpt):
         greedy = _engine(ckpt).generate_text(["The tower"], SamplingParams(max_new_tokens=5, greedy=True))[0]
         assert client.returncode == 0, client.stderr
         assert client.stdout == "The tower" + greedy.text + "\n"
+        # a request the server refuses is reported, the next one is served, the exit status says one failed
+        client = subprocess.run([sys.executable, os.path.join(ROOT, "tools/text_generation_cli.py"), address,
+                                 "--greedy", "--tokens-to-generate", "5", "--seed", "-3"],
+                                input="The tower\n\n", capture_output=True, text=True, env=_env(), timeout=300)
+        assert client.returncode == 1 and client.stdout == ""
+        err = client.stderr.strip().splitlines()
+        assert err[0].startswith("error: server answered 400:") and err[1] == "error: 1 of 1 requests failed", err
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -106,3 +143,20 @@ def test_tensor_parallel_server(ckpt):
     finally:
         server.terminate()  # torchrun passes SIGTERM to both ranks (and itself exits non-zero, as it does)
         server.wait(timeout=120)
+
+
+def test_lm_eval_adapter_command_line(capsys):
+    """``python -m megatron.core.inference.lm_eval_adapter`` is the command (``lm_eval --model`` cannot find a
+    model registered by another module): its help names it, and ``--model`` is refused in one line."""
+    from megatron.core.inference import lm_eval_adapter
+
+    assert lm_eval_adapter.main(["--model", "hf"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --model is set to megatron_lite by this module; give the "
+                                               "checkpoint with --model_args load=CKPT")
+    try:
+        lm_eval_adapter.main(["--help"])  # lm_eval's own help follows (and exits) when it is installed
+    except SystemExit:
+        pass
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m megatron.core.inference.lm_eval_adapter --model_args load=CKPT")
+    assert "model_args keys: load, iteration" in out

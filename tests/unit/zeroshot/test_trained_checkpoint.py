@@ -1,5 +1,6 @@
 """A checkpoint written by pretrain_gpt.py itself (a few CPU iterations on the bundled corpus, TP=2 so the
-loader re-splits it): generation and both zero-shot tasks equal Hugging Face GPT-2 holding the loaded weights."""
+loader re-splits it): generation and both zero-shot tasks equal Hugging Face GPT-2 holding the loaded weights.
+One written with ``--ckpt-layout megatron`` (Megatron-LM's files) scores as its conversion to our layout."""
 
 
 import pytest
@@ -11,8 +12,9 @@ from megatron.core.tokenizer import build_tokenizer
 from megatron.training.config import pad_vocab_size
 from tasks.main import parse_args, run
 from tests.functional.harness import gpt_args, preprocess_quickstart_corpus, run_pretrain
-from tests.unit.zeroshot.test_zeroshot import reference_lambada, reference_wikitext
-from tests.unit.zeroshot.tp_body import LAMBADA, WIKI
+from tests.unit.zeroshot.test_zeroshot import lambada_with_model_endings, reference_lambada, reference_wikitext
+from tests.unit.inference.tiny import MERGES, VOCAB
+from tests.unit.zeroshot.tp_body import WIKI
 
 pytest.importorskip("transformers")
 
@@ -26,7 +28,7 @@ def trained(tmp_path_factory):
     return ckpt
 
 
-def test_trained_checkpoint_matches_hf(trained):
+def test_trained_checkpoint_matches_hf(trained, tmp_path):
     loaded = load_gpt_for_inference(trained)
     assert loaded.iteration == 4 and loaded.args["tensor_model_parallel_size"] == 2
     hf = to_hf_gpt2(loaded.model)
@@ -47,8 +49,11 @@ def test_trained_checkpoint_matches_hf(trained):
                           "--overlapping-eval", "8"]))
     want = reference_wikitext(hf, tok, WIKI, seq, 8)
     assert abs(got["avg loss"] - want["avg loss"]) < 1e-4
-    got = run(parse_args(["--load", trained, "--task", "LAMBADA", "--valid-data", LAMBADA, "--strict-lambada"]))
-    assert got["number correct"] == reference_lambada(hf, tok, LAMBADA, True, seq=seq)[0]
+    lambada = lambada_with_model_endings(trained, tok, str(tmp_path / "lambada.jsonl"), whole_words=False)
+    got = run(parse_args(["--load", trained, "--task", "LAMBADA", "--valid-data", lambada]))
+    correct, total = reference_lambada(hf, tok, lambada, False, seq=seq)
+    assert (got["number correct"], got["total examples"]) == (correct, total)
+    assert 0 < correct < total
 
 
 def test_trained_checkpoint_converts_to_tp1(trained, tmp_path, capsys):
@@ -71,3 +76,28 @@ def test_trained_checkpoint_converts_to_tp1(trained, tmp_path, capsys):
             assert torch.equal(got[name][:vocab], want[name][:vocab])
         else:
             assert torch.equal(got[name], want[name]), name
+
+
+def test_megatron_layout_checkpoint_scores_as_our_layout(tmp_path_factory, tmp_path, capsys):
+    """tasks/main.py reads a checkpoint the trainer wrote with --ckpt-layout megatron (a pickled Namespace of
+    arguments) and gives the results of the same weights converted to our layout."""
+    from tests.unit.checkpoint.test_convert import _run
+
+    root = tmp_path_factory.mktemp("megatron_layout")
+    prefix = preprocess_quickstart_corpus(str(root))
+    megatron_ckpt, ours = str(root / "ckpt"), str(tmp_path / "ours")
+    run_pretrain(gpt_args(prefix, num_layers=2, train_iters=2, save=megatron_ckpt, save_interval=2,
+                          ckpt_layout="megatron"))
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir",
+                      megatron_ckpt, "--save-dir", ours)
+    assert rc == 0, err
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+    lambada = lambada_with_model_endings(ours, tok, str(tmp_path / "lambada.jsonl"), whole_words=False)
+    results = {}
+    for name, ckpt in (("megatron", megatron_ckpt), ("ours", ours)):
+        results[name] = [run(parse_args(["--load", ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI,
+                                         "--overlapping-eval", "8"])),
+                         run(parse_args(["--load", ckpt, "--task", "LAMBADA", "--valid-data", lambada]))]
+    assert results["megatron"] == results["ours"]
+    lam = results["ours"][1]
+    assert 0 < lam["number correct"] < lam["total examples"]

@@ -91,31 +91,44 @@ def test_wikitext_equals_reference(setup, stride, tmp_path):
     assert json.load(open(tmp_path / "r.json"))["avg loss"] == got["avg loss"]
 
 
-def _lambada_with_model_endings(ckpt, tok, out_path):
-    """The fixture passages, half of them ending in the model's own greedy next word, so that accuracy is
-    neither 0 nor 1."""
+def _word_tokens(tok) -> torch.Tensor:
+    """Mask over the vocabulary of the tokens that are a whole word with its leading space (" cat")."""
+    mask = torch.zeros(tok.vocab_size, dtype=torch.bool)
+    for i in range(tok.vocab_size):
+        text = tok.detokenize([i])
+        mask[i] = len(text) > 2 and text[0] == " " and text[1:].isalpha() and text[1:].isascii()
+    return mask
+
+
+def lambada_with_model_endings(ckpt, tok, out_path, whole_words=True):
+    """The fixture passages, every other one ending in what the model itself predicts next, so that accuracy is
+    neither 0 nor 1: its most likely whole-word token (right under --strict-lambada too when that is also its
+    argmax), or with ``whole_words=False`` its argmax token whatever it is (a barely trained model's is a
+    newline or a punctuation mark)."""
     engine = InferenceEngine(load_gpt_for_inference(ckpt).model, tokenizer=tok)
+    words = _word_tokens(tok) if whole_words else torch.ones(tok.vocab_size, dtype=torch.bool)
     lines = [json.loads(line)["text"] for line in open(LAMBADA, encoding="utf-8")]
     with open(out_path, "w") as f:
         for i, text in enumerate(lines):
             if i % 2 == 0:
                 context = text[:text.rfind(text.split()[-1])].rstrip()
-                logits = engine.forward_logits(torch.tensor([tok.tokenize(context)]))[0, -1]  # [V]
-                best = int(logits[:tok.vocab_size].argmax())
+                ids = tok.tokenize(context)[-engine.model.config.seq_length:]  # the window tasks/main.py scores
+                logits = engine.forward_logits(torch.tensor([ids]))[0, -1, :tok.vocab_size]  # [V]
+                best = int(logits.masked_fill(~words, float("-inf")).argmax())
                 text = context + tok.detokenize([best])
             f.write(json.dumps({"text": text}) + "\n")
+    return out_path
 
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_lambada_equals_reference(setup, strict, tmp_path):
     ckpt, tok, hf = setup
     data = str(tmp_path / "lambada.jsonl")
-    _lambada_with_model_endings(ckpt, tok, data)
+    lambada_with_model_endings(ckpt, tok, data)
     got = _run(ckpt, "--task", "LAMBADA", "--valid-data", data, *(["--strict-lambada"] if strict else []))
     correct, total = reference_lambada(hf, tok, data, strict)
     assert (got["number correct"], got["total examples"]) == (correct, total)
-    if not strict:
-        assert 0 < correct < total
+    assert 0 < correct < total
 
 
 def test_detokenizer_rules():
@@ -138,6 +151,10 @@ def test_bad_inputs(setup, tmp_path):
     bad.write_text('{"text": "fine passage here"}\n{"txt": 1}\n')
     with pytest.raises(ValueError, match="line 2: expected a JSON object with a 'text' string"):
         _run(ckpt, "--task", "LAMBADA", "--valid-data", str(bad))
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "\xff"}\n')
+    for task in ("LAMBADA", "WIKITEXT103"):
+        with pytest.raises(ValueError, match=rf"^--valid-data {bad}: not UTF-8 text \(byte 0xff on line 2\)$"):
+            _run(ckpt, "--task", task, "--valid-data", str(bad))
     with pytest.raises(SystemExit):
         parse_args(["--load", ckpt, "--task", "LAMBADA", "--valid-data", str(tmp_path / "missing.jsonl")])
     with pytest.raises(ValueError, match="exceeds the model's 48 positions"):
@@ -145,11 +162,13 @@ def test_bad_inputs(setup, tmp_path):
 
 
 def test_tp2_and_pp2_equal_tp1(setup, tmp_path):
-    ckpt, _, _ = setup
+    ckpt, tok, _ = setup
     out = str(tmp_path / "tp2.json")
-    run_distributed(tp2_body, world_size=2, args=(ckpt, out))
+    lambada = lambada_with_model_endings(ckpt, tok, str(tmp_path / "lambada.jsonl"))
+    run_distributed(tp2_body, world_size=2, args=(ckpt, out, lambada))
     wiki1 = _run(ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI)
-    lambada1 = _run(ckpt, "--task", "LAMBADA", "--valid-data", LAMBADA)
+    lambada1 = _run(ckpt, "--task", "LAMBADA", "--valid-data", lambada)
+    assert 0 < lambada1["number correct"] < lambada1["total examples"]
     results = json.load(open(out))
     for wiki2, lambada2 in (results[:2], results[2:]):  # TP=2, then PP=2
         assert abs(wiki1["avg loss"] - wiki2["avg loss"]) < 1e-5
