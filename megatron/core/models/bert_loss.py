@@ -80,7 +80,7 @@ def get_bert_batch(data_iterator, pstate: ParallelState, max_masked: Optional[in
         _check_masked_count(data["loss_mask"], max_masked)
         padding = data["padding_mask"]
         no_padding = not capturable and not padding.is_cuda and not bool((padding < 1).any())
-    if pstate.tp_size > 1:  # the TP group follows rank 0's choice: it is part of the broadcast batch
+    if pstate.tp_size > 1 and not capturable:  # the TP group follows rank 0's choice, part of the broadcast
         if pstate.tp_rank == 0:
             data["no_padding"] = torch.tensor([int(no_padding)])
         batch = tensor_parallel.broadcast_data([*BERT_BATCH_KEYS, "no_padding"], data, torch.int64, pstate)
