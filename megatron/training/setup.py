@@ -138,6 +138,7 @@ def job_environment(argv: Optional[List[str]], extra_sections: Sequence = ()) ->
             print(note, flush=True)
     if cfg.training.exit_signal_handler:
         signals.install(cfg.training.exit_signal)
+    signals.stop_with_launcher()
     heartbeat = None
     try:
         initialize_distributed(cfg.parallel)
