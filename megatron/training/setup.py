@@ -96,9 +96,31 @@ def initialize_distributed(parallel: ParallelConfig) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(local_rank or "0") % torch.cuda.device_count())
     if parallel.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=parallel.distributed_backend,
-                                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+        timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+        store = restart_attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=parallel.distributed_backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=parallel.distributed_backend, timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return parallel.world_size
+
+
+def restart_attempt_store(timeout: datetime.timedelta):
+    """Under ``torchrun``, the launcher's store seen through a prefix of this restart attempt; None elsewhere.
+
+    ``torchrun``'s default (static) rendezvous keeps one store for all the attempts of ``--max-restarts`` and
+    hands it to the ranks without a per-attempt prefix, so the ranks of a restart would read the addresses that
+    the previous attempt's (dead) ranks published for each process group, and the heartbeat records of those
+    ranks: joining a group then fails (``connectFullMesh ... Connection refused``) or waits out the timeout.
+    Every key of this run lives under ``megatron-lite/attempt_N/`` instead.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"megatron-lite/attempt_{attempt}/", client)
 
 
 def check_checkpoint_folders(ck: CheckpointConfig):
