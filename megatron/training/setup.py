@@ -124,13 +124,14 @@ def restart_attempt_store(timeout: datetime.timedelta):
 
 
 def check_checkpoint_folders(ck: CheckpointConfig):
-    """Start-up checks of --load and --save, before any model is built: a --load folder that does not exist is
-    an error (an existing folder without a checkpoint still means "start from scratch"); --save must be writable
-    (every rank probes: each may write on its own mount) and is locked against a second run (rank 0 holds the
-    lock until exit). Returns the lock (None without --save, or on ranks that do not hold it)."""
-    if ck.load and not os.path.isdir(ck.load):
-        raise SharedError(f"--load folder {ck.load} does not exist (to start from scratch, create it or leave "
-                          "--load out)")
+    """Start-up checks of --load and --save, before any model is built: under --exit-on-missing-checkpoint a
+    --load folder without a checkpoint is an error (otherwise the run starts from scratch, as on the first launch
+    of a script that saves and loads the same folder); --save must be writable (every rank probes: each may write
+    on its own mount) and is locked against a second run (rank 0 holds the lock until exit). Returns the lock
+    (None without --save, or on ranks that do not hold it)."""
+    if ck.load and ck.exit_on_missing_checkpoint and checkpointing.latest_iteration(ck.load) is None:
+        why = "does not exist" if not os.path.isdir(ck.load) else "holds no checkpoint"
+        raise SharedError(f"--exit-on-missing-checkpoint: the --load folder {ck.load} {why}")
     if ck.save:
         cfold.check_save_dir_writable(ck.save)
         lock = acquire_for_job(ck.save)
@@ -245,10 +246,8 @@ def load_checkpoint_if_any(ck: CheckpointConfig, model, optimizer, scheduler,
         iteration, consumed = checkpointing.load_checkpoint(model, optimizer, scheduler, ck, pstate)
         print_rank_0(f"> loaded checkpoint from {ck.load} at iteration {iteration}")
         return iteration, consumed
-    if ck.load and ck.exit_on_missing_checkpoint:
-        raise SharedError(f"--exit-on-missing-checkpoint: no checkpoint in --load {ck.load}")
-    if ck.load:
-        print_rank_0(f"> no checkpoint found in {ck.load}; starting from scratch")
+    if ck.load:  # --exit-on-missing-checkpoint stopped at start-up (check_checkpoint_folders)
+        print_rank_0(f"> no checkpoint found in --load {ck.load}; starting from scratch")
     return 0, 0
 
 
