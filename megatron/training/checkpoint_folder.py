@@ -12,27 +12,12 @@ import re
 import shutil
 from typing import Callable, List, Optional, Sequence
 
-from megatron.training.checkpoint_io import (IN_FLIGHT, MANIFEST, CheckpointCorruptError, CheckpointIOError,
-                                             describe_os_error, fsync_dir, hostname, makedirs_durable,
-                                             remove_quietly, verify_checkpoint)
+from megatron.core.checkpoint_io import (IN_FLIGHT, MANIFEST, CheckpointCorruptError, CheckpointIOError,
+                                         describe_os_error, fsync_dir, hostname, iteration_dir, list_iterations,
+                                         makedirs_durable, remove_quietly, verify_checkpoint)
 
 # NAME.tmp.HOST.PID (checkpoint_io) or NAME.tmp.PID (older writers, host unknown)
 TEMP_NAME = re.compile(r"^(?P<base>.+?)\.tmp\.(?:(?P<host>[^/]+)\.)?(?P<pid>\d+)$")
-ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def list_iterations(root: str) -> List[int]:
-    """Iterations of the ``iter_NNNNNNN`` folders under ``root``, ascending."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    found = (ITER_DIR.match(n) for n in names)
-    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
 
 
 def find_intact_checkpoint(root: str, below: Optional[int] = None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.training.checkpoint_folder import pid_alive
-from megatron.training.checkpoint_io import hostname
+from megatron.core.checkpoint_io import hostname
 
 LOCK_NAME = "run.lock"
 

@@ -24,7 +24,7 @@ from megatron.core.distributed import DDPConfig, DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpoint_folder as cfold
-from megatron.training import checkpoint_io as cio
+from megatron.core import checkpoint_io as cio
 from megatron.training import checkpointing, signals, watchdog
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import (CheckpointConfig, ParallelConfig, RunConfig, SchedulerConfig,
