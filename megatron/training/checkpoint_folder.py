@@ -83,7 +83,8 @@ def choose_checkpoint(root: str, iteration: int, relpaths: Sequence[str], fallba
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host (one owned by another user counts as alive)."""
+    """Whether a process with this id runs on this host (one owned by another user counts as alive; a zombie,
+    dead but not yet reaped by its parent, does not)."""
     if pid <= 0:
         return False
     try:
@@ -92,7 +93,12 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_temp_files(root: str, quiescent: bool = False, max_depth: int = 3) -> List[str]:

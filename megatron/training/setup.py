@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -310,15 +311,26 @@ def main_entry(run: Callable[[], object]) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         _exit(2)
     except RuntimeError as exc:
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+        first = (str(exc).splitlines() or [""])[0]
+        if watchdog.is_lost_peer(first):  # checked first: gloo's "connection reset" text also says "timed out"
+            line = watchdog.describe_lost_peer(_env_rank(), _short_gloo_error(first))
+        elif "timed out" in first.lower() or "timeout" in first.lower():
+            line = watchdog.describe_timeout(_env_rank(), first)
+        else:
             raise
-        print(f"error: {watchdog.describe_timeout(_env_rank(), str(exc).splitlines()[0])}", file=sys.stderr,
-              flush=True)
+        print(f"error: {line}", file=sys.stderr, flush=True)
         _exit(1)
     finally:
         watchdog.stop_heartbeat()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _short_gloo_error(line: str) -> str:
+    """gloo's message without its source location and advice: ``Read error [127.0.0.1]:22919: Connection reset by
+    peer``."""
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", line.strip())
+    return line.split(". This is typically caused", 1)[0]
 
 
 def _exit(code: int) -> None:
