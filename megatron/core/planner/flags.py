@@ -88,6 +88,9 @@ def add_layout_arguments(p: argparse.ArgumentParser, for_search: bool) -> None:
                    help="adam (default) keeps two fp32 moments per parameter, sgd one momentum")
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="replay each iteration from a CUDA graph (1 GPU): the host's launch work is not paid")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="unfused bias-dropout-add: PyTorch's dropout keeps two 1-byte masks per layer (the fused "
+                        "kernel regenerates them)")
     g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash", "cudnn", "unfused", "auto"],
                    help="sdpa (default), flash, cudnn and auto keep no s x s scores; unfused keeps them")
 
@@ -130,6 +133,7 @@ def layout_switches(args: argparse.Namespace) -> dict:
                 overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                 cross_entropy_fusion=args.cross_entropy_loss_fusion, optimizer=args.optimizer,
                 recompute_modules=tuple(args.recompute_modules), cuda_graph=args.enable_cuda_graph,
+                bias_dropout_fusion=args.bias_dropout_fusion,
                 attention_backend="sdpa" if args.attention_backend in ("auto", "flash", "cudnn") else
                 args.attention_backend)
 
@@ -203,4 +207,6 @@ def planner_argv(trainer: argparse.Namespace, vocab_size: Optional[int] = None) 
                        ("--enable-cuda-graph", "enable_cuda_graph")):
         if getattr(t, name, False):
             argv.append(flag)
+    if not getattr(t, "bias_dropout_fusion", True):
+        argv.append("--no-bias-dropout-fusion")
     return argv
