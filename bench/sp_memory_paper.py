@@ -57,6 +57,34 @@ def _worker(rank, world_size, out_path):
             json.dump(rows, f)
 
 
+def _cases_worker(rank, world_size, out_path):
+    from tests.unit.planner.test_activations import PAPER_CASES, check_against_paper
+
+    rows = []
+    for tp in (4, 2):
+        pstate = ParallelState.build(tensor_model_parallel_size=tp)
+        found = check_against_paper(pstate, [n for n in PAPER_CASES if n.startswith("tp")])
+        rows += [(name, tp, *found[name]) for name in found]
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def measure_cases() -> list:
+    """``(case, TP, measured, paper, named differences)`` per layer at the test's reduced shape (the test's own
+    assertions run too: measured == planner, measured - differences == paper within 2%)."""
+    from tests.unit.planner.test_activations import check_against_paper
+
+    found = check_against_paper(ParallelState.single(), ["none", "selective", "selective_with_mlp_act", "full"])
+    rows = [(name, 1, *found[name]) for name in found]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cases.json")
+        run_distributed(_cases_worker, 4, (path,))
+        with open(path) as f:
+            rows += [tuple(r) for r in json.load(f)]
+    return rows
+
+
 def measure_coefficients() -> dict:
     """alpha (bytes per sbh/t) and beta (bytes per sb/t) of one TP-8 SP layer with selective recomputation."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,6 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     meta = run_meta("sp_memory_paper.py")
     coef = measure_coefficients()
+    cases = measure_cases()
     cal = load_calibration("h200")
     rows = []
     for name, (L, h, a, t, pp, vpp, gbs) in CONFIGS.items():
@@ -124,7 +153,19 @@ def main() -> None:
                     f"{r['planner_fused_bda_activations_gib']:.1f} | {r['planner_unfused_bda_required_gib']:.1f} / "
                     f"{r['planner_fused_bda_required_gib']:.1f} | "
                     f"{'yes' if r['planner_unfused_bda_fits_80gb'] and r['planner_fused_bda_fits_80gb'] else 'NO'} |")
-    meta.update(alpha=coef["alpha"], beta=coef["beta"], measured_rows=coef["rows"])
+    from tests.unit.planner.test_activations import B, P_DROP, PA, PH, PS
+
+    body += ["", f"Per layer at the test's shape (s {PS}, b {B}, h {PH}, a {PA}, unfused attention, hidden and "
+             f"attention dropout {P_DROP}, bf16, CPU), as `tests/unit/planner/test_activations.py` measures it "
+             "(the planner's CPU prediction is equal in every row):", "",
+             "| case | TP | measured bytes | paper (Eq. 1-6) | measured / paper | named differences (bytes) | "
+             "measured - differences - paper |", "|---|---|---|---|---|---|---|"]
+    for name, tp, measured, paper, diffs in cases:
+        named = "; ".join(f"{k}: {v:+,.0f}" for k, v in diffs.items()) or "none"
+        body.append(f"| {name} | {tp} | {measured:,.0f} | {paper:,.0f} | {measured / paper:.3f} | {named} | "
+                    f"{measured - sum(diffs.values()) - paper:+,.0f} |")
+    meta.update(alpha=coef["alpha"], beta=coef["beta"], measured_rows=coef["rows"],
+                cases=[{"case": n, "tp": tp, "measured": m, "paper": p, "differences": d} for n, tp, m, p, d in cases])
     write_results(args.results_dir, "sp_memory_paper", meta, rows,
                   "Activation memory of the paper's configurations: paper, planner, CPU measurement", body)
     print("\n".join(body))
