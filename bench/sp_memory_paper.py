@@ -1,6 +1,7 @@
 """Korthikanti et al. 2022's model configurations: activation bytes per layer by the paper, by the planner and as
 measured on the CPU, and whether the planner fits each layout in 80 GB with sequence parallelism and selective
-recomputation.
+recomputation; then, per case (no parallelism, TP, TP+SP, selective and full recomputation at TP 1, 2 and 4), the
+bytes the test measures next to the paper's Eq. 1-6 and the named differences.
 
 The measurement runs our TransformerBlock on 8 gloo processes (TP 8, sequence parallelism, selective
 recomputation of the attention core, unfused attention, dropout 0.1, bf16) at two reduced shapes and counts the
@@ -8,7 +9,7 @@ bytes of the distinct storages autograd saves (``tests/unit/planner/test_activat
 attention core recomputed a layer keeps ``alpha sbh/t + beta sb/t`` bytes (nothing grows with s^2); the two shapes
 give alpha and beta, which then give the bytes of a layer of each full-size configuration.
 
-    python bench/sp_memory_paper.py        # about a minute on 2 cores; writes bench/results/sp_memory_paper.{json,md}
+    python bench/sp_memory_paper.py        # a few minutes on 2 cores; writes bench/results/sp_memory_paper.{json,md}
 """
 
 from __future__ import annotations
