@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
     from megatron.core.fusions._triton_elementwise import (BiasDropoutAddFunction, BiasGeLUFunction,
-                                                           bias_gelu_backward, column_sum)
-    from megatron.core.fusions._triton_layer_norm import LayerNormFunction, triton_layer_norm_supported
+                                                           BiasSwiGLUFunction, bias_gelu_backward, column_sum)
+    from megatron.core.fusions._triton_layer_norm import (LayerNormFunction, triton_layer_norm_supported,
+                                                          triton_rms_norm_supported)
+    from megatron.core.fusions._triton_rope import RotaryFunction, triton_rope_supported
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the machine
@@ -210,6 +212,8 @@ def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: Option
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False,
              use_fused: bool = True) -> torch.Tensor:
     """RMSNorm over the last dimension (``rms_norm_reference``), one Triton pass each way on CUDA."""
+    if fusable(x, use_fused) and triton_rms_norm_supported(x):
+        return LayerNormFunction.apply(x, weight, None, eps, zero_centered_gamma, False, True)
     return rms_norm_reference(x, weight, eps, zero_centered_gamma)
 
 
@@ -217,6 +221,8 @@ def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float, ze
                            use_fused: bool = True):
     """``(rms_norm(x, ...), x)`` for a pre-norm layer whose residual branch starts at ``x``; fused, the residual
     gradient is added inside the backward kernel (as ``layer_norm_with_residual``)."""
+    if fusable(x, use_fused) and triton_rms_norm_supported(x):
+        return LayerNormFunction.apply(x, weight, None, eps, zero_centered_gamma, True, True)
     return rms_norm_reference(x, weight, eps, zero_centered_gamma), x
 
 
@@ -224,17 +230,23 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool
                          use_fused: bool = True) -> torch.Tensor:
     """Rotary position embedding of ``t [s, b, n, d]`` by the angles ``freqs [s, 1, 1, rot_dim]``
     (``apply_rotary_pos_emb_reference``); fused on CUDA, where backward applies the inverse rotation."""
+    if fusable(t, use_fused) and triton_rope_supported(t, freqs):
+        return RotaryFunction.apply(t, freqs, bool(interleaved))
     return apply_rotary_pos_emb_reference(t, freqs, interleaved)
 
 
 def swiglu(x: torch.Tensor, use_fused: bool = True) -> torch.Tensor:
     """``silu(x[..., :f]) * x[..., f:]`` for ``x [..., 2f]`` (``swiglu_reference``); one Triton pass each way on
     CUDA, saving only ``x``."""
+    if fusable(x, use_fused) and x.shape[-1] % 2 == 0:
+        return BiasSwiGLUFunction.apply(x, None)
     return swiglu_reference(x)
 
 
 def bias_swiglu(x: torch.Tensor, bias: Optional[torch.Tensor], use_fused: bool = True) -> torch.Tensor:
     """``swiglu(x + bias)`` with ``bias [2f]`` (or None: plain ``swiglu``)."""
+    if fusable(x, use_fused) and x.shape[-1] % 2 == 0 and (bias is None or bias.shape == x.shape[-1:]):
+        return BiasSwiGLUFunction.apply(x, bias)
     return bias_swiglu_reference(x, bias)
 
 
