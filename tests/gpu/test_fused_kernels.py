@@ -35,6 +35,18 @@ def _grads(fn, inputs, grad_out):
     return out.detach().clone(), [None if t is None else t.grad.detach().clone() for t in inputs]
 
 
+def _assert_matches(fused, reference, inputs, grad_out, tol):
+    """``fused()`` and ``reference()`` (closures over ``inputs``) agree within ``tol`` forward and in the gradients
+    of every input that is not None; returns the fused output."""
+    out_f, grads_f = _grads(fused, inputs, grad_out)
+    out_r, grads_r = _grads(reference, inputs, grad_out)
+    assert out_f.dtype == out_r.dtype and rel_err(out_f, out_r) < tol
+    for gf, gr in zip(grads_f, grads_r):
+        if gr is not None:
+            assert rel_err(gf, gr) < tol
+    return out_f
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
@@ -48,12 +60,8 @@ def test_bias_gelu(dtype, with_bias, shape):
     x = _leaf(shape, dtype, 2.0)
     b = _leaf(shape[-1:], dtype) if with_bias else None
     g = torch.randn(shape, device="cuda", dtype=dtype)
-    out_f, grads_f = _grads(lambda: ops.bias_gelu(x, b, use_fused=True), [x, b], g)
-    out_r, grads_r = _grads(lambda: ops.bias_gelu_reference(x, b), [x, b], g)
-    assert rel_err(out_f, out_r) < TOL[dtype]
-    for gf, gr in zip(grads_f, grads_r):
-        if gr is not None:
-            assert rel_err(gf, gr) < TOL[dtype]
+    _assert_matches(lambda: ops.bias_gelu(x, b, use_fused=True), lambda: ops.bias_gelu_reference(x, b), [x, b], g,
+                    TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -299,11 +307,9 @@ def test_rms_norm(dtype, zero_centered, shape):
     x = _leaf(shape, dtype, 3.0)
     w = _leaf(shape[-1:], dtype, 0.5)
     g = torch.randn(shape, device="cuda", dtype=dtype)
-    out_f, grads_f = _grads(lambda: ops.rms_norm(x, w, 1e-5, zero_centered, use_fused=True), [x, w], g)
-    out_r, grads_r = _grads(lambda: ops.rms_norm_reference(x, w, 1e-5, zero_centered), [x, w], g)
-    assert out_f.dtype == dtype and rel_err(out_f, out_r) < TOL[dtype]
-    for gf, gr in zip(grads_f, grads_r):
-        assert rel_err(gf, gr) < TOL[dtype]
+    out_f = _assert_matches(lambda: ops.rms_norm(x, w, 1e-5, zero_centered, use_fused=True),
+                            lambda: ops.rms_norm_reference(x, w, 1e-5, zero_centered), [x, w], g, TOL[dtype])
+    assert out_f.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -316,11 +322,8 @@ def test_rms_norm_with_residual(dtype):
         y, res = fn(x, w, 1e-5)
         return y * 3.0 + res
 
-    out_f, grads_f = _grads(lambda: run(lambda *a: ops.rms_norm_with_residual(*a, use_fused=True)), [x, w], g)
-    out_r, grads_r = _grads(lambda: run(lambda *a: (ops.rms_norm_reference(*a), a[0])), [x, w], g)
-    assert rel_err(out_f, out_r) < TOL[dtype]
-    for gf, gr in zip(grads_f, grads_r):
-        assert rel_err(gf, gr) < TOL[dtype]
+    _assert_matches(lambda: run(lambda *a: ops.rms_norm_with_residual(*a, use_fused=True)),
+                    lambda: run(lambda *a: (ops.rms_norm_reference(*a), a[0])), [x, w], g, TOL[dtype])
 
 
 def _rope_freqs(s, rot, interleaved, base=500000.0):
@@ -356,11 +359,7 @@ def test_swiglu(dtype, with_bias, shape):
     x = _leaf(shape, dtype, 2.0)
     b = _leaf(shape[-1:], dtype) if with_bias else None
     g = torch.randn(shape[:-1] + (shape[-1] // 2,), device="cuda", dtype=dtype)
-    out_f, grads_f = _grads(lambda: ops.bias_swiglu(x, b, use_fused=True), [x, b], g)
-    out_r, grads_r = _grads(lambda: ops.bias_swiglu_reference(x, b), [x, b], g)
-    assert rel_err(out_f, out_r) < TOL[dtype]
-    for gf, gr in zip(grads_f, grads_r):
-        if gr is not None:
-            assert rel_err(gf, gr) < TOL[dtype]
+    out_f = _assert_matches(lambda: ops.bias_swiglu(x, b, use_fused=True), lambda: ops.bias_swiglu_reference(x, b),
+                            [x, b], g, TOL[dtype])
     if not with_bias:
         assert torch.equal(ops.swiglu(x), out_f)

@@ -275,6 +275,17 @@ def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return sum_partial_rows(part, out_dtype)
 
 
+def _save_input_and_bias(ctx, x: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Save the input and the optional bias of a bias+activation function for its backward."""
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
+
+
+def _saved_input_and_bias(ctx):
+    """``(x, bias or None)`` as ``_save_input_and_bias`` saved them."""
+    return tuple(ctx.saved_tensors) if ctx.has_bias else (ctx.saved_tensors[0], None)
+
+
 class BiasGeLUFunction(torch.autograd.Function):
     """gelu(x + bias) (the erf GeLU, ``gelu_f32``): one Triton pass forward; backward writes dx and the bias-grad
     partials in the same pass."""
@@ -289,16 +300,12 @@ class BiasGeLUFunction(torch.autograd.Function):
             grid, tiles, meta = _launch("gelu_fwd", m, n, x.device)
             _bias_gelu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, n, tiles,
                                         HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
+        _save_input_and_bias(ctx, x, bias)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.has_bias:
-            x, bias = ctx.saved_tensors
-        else:
-            (x,), bias = ctx.saved_tensors, None
+        x, bias = _saved_input_and_bias(ctx)
         return bias_gelu_backward(dy, x, bias)
 
 
@@ -438,23 +445,28 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
 
 @triton.jit
+def _swiglu_tile(X, B, F, rows, cols, cmask, M, HAS_BIAS: tl.constexpr):
+    """(gate, up, mask, offsets of the gate) of one tile of rows x cols of a contiguous X [M, 2F], in fp32, with the
+    bias B [2F] added when HAS_BIAS (the bias reloads hit the cache)."""
+    mask = (rows < M)[:, None] & cmask[None, :]
+    xoffs = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    g = tl.load(X + xoffs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + xoffs + F, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        g += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        u += tl.load(B + F + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return g, u, mask, xoffs
+
+
+@triton.jit
 def _swiglu_fwd_kernel(X, B, Y, M, F, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     """Y [M, F] = silu(X[:, :F] + B[:F]) * (X[:, F:] + B[F:]) for a contiguous X [M, 2F]."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < F
-    if HAS_BIAS:
-        bg = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-        bu = tl.load(B + F + cols, mask=cmask, other=0.0).to(tl.float32)
     for t in range(0, ROW_TILES):
         rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & cmask[None, :]
-        xoffs = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-        g = tl.load(X + xoffs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(X + xoffs + F, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            g += bg[None, :]
-            u += bu[None, :]
+        g, u, mask, _ = _swiglu_tile(X, B, F, rows, cols, cmask, M, HAS_BIAS)
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(Y + rows.to(tl.int64)[:, None] * F + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -466,21 +478,12 @@ def _swiglu_bwd_kernel(DY, X, B, DX, DB_PART, M, F, ROW_TILES, HAS_BIAS: tl.cons
     row] = the column sums of DX (finished by ``sum_partial_rows``)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < F
-    if HAS_BIAS:
-        bg = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-        bu = tl.load(B + F + cols, mask=cmask, other=0.0).to(tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # reduced over rows once, at the end
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for t in range(0, ROW_TILES):
         rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & cmask[None, :]
-        xoffs = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-        g = tl.load(X + xoffs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(X + xoffs + F, mask=mask, other=0.0).to(tl.float32)
+        g, u, mask, xoffs = _swiglu_tile(X, B, F, rows, cols, cmask, M, HAS_BIAS)
         dy = tl.load(DY + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            g += bg[None, :]
-            u += bu[None, :]
         sig = 1.0 / (1.0 + tl.exp(-g))
         dg = dy * u * sig * (1.0 + g * (1.0 - sig))
         du = dy * g * sig
@@ -511,16 +514,12 @@ class BiasSwiGLUFunction(torch.autograd.Function):
             grid, tiles, meta = _launch("swiglu_fwd", m, f, x.device)
             _swiglu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, f, tiles, HAS_BIAS=bias is not None,
                                      **meta)
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
+        _save_input_and_bias(ctx, x, bias)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.has_bias:
-            x, bias = ctx.saved_tensors
-        else:
-            (x,), bias = ctx.saved_tensors, None
+        x, bias = _saved_input_and_bias(ctx)
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         f = x.shape[-1] // 2
