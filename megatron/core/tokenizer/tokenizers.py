@@ -1,4 +1,5 @@
-"""Tokenizers built on the compiled Hugging Face ``tokenizers`` library (and Megatron-LM's ``NullTokenizer``).
+"""Tokenizers built on the compiled Hugging Face ``tokenizers`` library (and Megatron-LM's ``NullTokenizer``; the
+SentencePiece ones are in sentencepiece_tokenizers.py, built by ``build_tokenizer`` too).
 
 Every tokenizer exposes the same small surface that preprocessing, the datasets and the trainer need:
 
@@ -23,11 +24,15 @@ from typing import Iterable, List, Optional, Sequence
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from megatron.core.tokenizer.files import require_file
+
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
     "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "Llama2Tokenizer",
     "NullTokenizer",
 )
 
@@ -81,8 +86,8 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
     name = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str):
-        _require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
-        _require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
+        require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
+        require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
         self._vocab_file, self._merge_file = vocab_file, merge_file
         self._add_special = False
         try:
@@ -189,7 +194,7 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
 
     def __init__(self, vocab_file: str, lower_case: bool):
         self.name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
-        _require_file(vocab_file, "--vocab-file", self.name)
+        require_file(vocab_file, "--vocab-file", self.name)
         # Megatron appends [BOS] then [EOS] as ordinary vocabulary entries (not special tokens matched in the text);
         # like Megatron's WordPiece, a word of over 200 characters is [UNK].
         vocab = models.WordPiece.read_file(vocab_file)
@@ -240,8 +245,12 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         path = tokenizer_model
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
-        _require_file(path, "--tokenizer-model", self.name)
-        tok = Tokenizer.from_file(path)
+        require_file(path, "--tokenizer-model", self.name)
+        try:
+            tok = Tokenizer.from_file(path)
+        except Exception as err:  # the Rust library raises a bare Exception for a malformed file
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"--tokenizer-model {path!r}: not a Hugging Face tokenizer.json ({reason})") from None
         super().__init__(tok, add_special_tokens=True)
         self._eod = self._find_eod(tok, os.path.dirname(path), eod_token)
 
@@ -252,8 +261,12 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
             names.append(eod_token)
         cfg = os.path.join(folder, "tokenizer_config.json")
         if os.path.isfile(cfg):
-            with open(cfg, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
+            try:
+                with open(cfg, encoding="utf-8") as f:
+                    eos = json.load(f).get("eos_token")
+            except (OSError, ValueError, AttributeError) as err:
+                raise ValueError(f"--tokenizer-model: {cfg!r} next to the tokenizer is not a readable JSON object "
+                                 f"({err})") from None
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if isinstance(eos, str):
@@ -315,13 +328,6 @@ class NullTokenizer:
         return f"NullTokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-def _require_file(path: Optional[str], flag: str, kind: str) -> None:
-    if not path:
-        raise ValueError(f"{kind} needs {flag}")
-    if not os.path.isfile(path):
-        raise ValueError(f"{flag} {path!r}: no such file (needed by {kind})")
-
-
 def build_tokenizer(
     tokenizer_type: str,
     vocab_file: Optional[str] = None,
@@ -339,6 +345,10 @@ def build_tokenizer(
         return BertWordPieceTokenizer(vocab_file, lower_case=False)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+        from megatron.core.tokenizer import sentencepiece_tokenizers
+
+        return getattr(sentencepiece_tokenizers, tokenizer_type)(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {list(TOKENIZER_TYPES)}")
