@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, List, Sequence
 
-from megatron.core.tokenizer.files import require_file
+from megatron.core.tokenizer.base import DictVocabulary, require_file
 
 
 def load_sentencepiece(model_file: str, kind: str):
@@ -32,7 +32,7 @@ def load_sentencepiece(model_file: str, kind: str):
         raise ValueError(f"--tokenizer-model {model_file!r}: not a SentencePiece model ({reason})") from None
 
 
-class _SentencePieceBase:
+class _SentencePieceBase(DictVocabulary):
     """What both SentencePiece tokenizers share: the processor and the piece vocabulary."""
 
     name = "abstract"
@@ -40,14 +40,6 @@ class _SentencePieceBase:
     def __init__(self, model_file: str):
         self._sp = load_sentencepiece(model_file, self.name)
         self._vocab: Dict[str, int] = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict:
-        return dict(self._vocab)
 
     def _model_piece(self, piece_id: int, fallback: str) -> str:
         """The model's piece of ``piece_id`` (-1 when the model has none: then ``fallback``)."""

@@ -24,7 +24,7 @@ from typing import Iterable, List, Optional, Sequence
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from megatron.core.tokenizer.files import require_file
+from megatron.core.tokenizer.base import DictVocabulary, require_file
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -80,7 +80,7 @@ class _HFBackedTokenizer(abc.ABC):
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-class GPT2BPETokenizer(_HFBackedTokenizer):
+class GPT2BPETokenizer(DictVocabulary, _HFBackedTokenizer):
     """OpenAI GPT-2 byte-level BPE from ``vocab.json`` and ``merges.txt``; ``eod`` is ``<|endoftext|>``."""
 
     name = "GPT2BPETokenizer"
@@ -115,14 +115,6 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
             tok.decoder = decoders.ByteLevel()
             self._hf = tok
         return self._hf
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict:
-        return dict(self._vocab)
 
     @property
     def eod(self) -> int:
