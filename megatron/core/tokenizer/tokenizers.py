@@ -218,6 +218,7 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 
 
@@ -226,7 +227,8 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
 
     Special tokens are added as the tokenizer's post-processor defines (as ``AutoTokenizer(text)``
     does in Megatron-LM). ``eod`` is the ``eos_token`` of a ``tokenizer_config.json`` next to the file
-    when there is one, else the first of the usual end-of-text tokens present in the vocabulary.
+    when there is one, else the first of the usual end-of-text tokens present in the vocabulary; ``bos`` likewise
+    from ``bos_token`` or the usual beginning-of-text tokens (None when there is none).
     """
 
     name = "HuggingFaceTokenizer"
@@ -244,34 +246,33 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"--tokenizer-model {path!r}: not a Hugging Face tokenizer.json ({reason})") from None
         super().__init__(tok, add_special_tokens=True)
-        self._eod = self._find_eod(tok, os.path.dirname(path), eod_token)
+        config = self._read_config(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+        names = ([eod_token] if eod_token else []) + [t for t in (config.get("eos_token"),) if t] + \
+            list(_EOS_CANDIDATES)
+        found = [i for i in (tok.token_to_id(n) for n in names) if i is not None]
+        if not found:
+            raise ValueError(
+                "HuggingFaceTokenizer: could not find an end-of-document token in the tokenizer "
+                f"(looked for {names}); add a tokenizer_config.json with 'eos_token' next to tokenizer.json")
+        self._eod = found[0]
+        bos = [i for i in (tok.token_to_id(n) for n in [config.get("bos_token")] + list(_BOS_CANDIDATES) if n)
+               if i is not None]
+        self.bos: Optional[int] = bos[0] if bos else None  # the beginning-of-text id, when the vocabulary has one
 
     @staticmethod
-    def _find_eod(tok: Tokenizer, folder: str, eod_token: Optional[str]) -> int:
-        names = []
-        if eod_token:
-            names.append(eod_token)
-        cfg = os.path.join(folder, "tokenizer_config.json")
-        if os.path.isfile(cfg):
-            try:
-                with open(cfg, encoding="utf-8") as f:
-                    eos = json.load(f).get("eos_token")
-            except (OSError, ValueError, AttributeError) as err:
-                raise ValueError(f"--tokenizer-model: {cfg!r} next to the tokenizer is not a readable JSON object "
-                                 f"({err})") from None
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.append(eos)
-        names.extend(_EOS_CANDIDATES)
-        for n in names:
-            i = tok.token_to_id(n)
-            if i is not None:
-                return i
-        raise ValueError(
-            "HuggingFaceTokenizer: could not find an end-of-document token in the tokenizer "
-            f"(looked for {names}); add a tokenizer_config.json with 'eos_token' next to tokenizer.json"
-        )
+    def _read_config(cfg: str) -> dict:
+        """``{"eos_token": ..., "bos_token": ...}`` (strings or None) of a ``tokenizer_config.json``, if present."""
+        if not os.path.isfile(cfg):
+            return {}
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                raw = json.load(f)
+            tokens = {key: raw.get(key) for key in ("eos_token", "bos_token")}
+        except (OSError, ValueError, AttributeError) as err:
+            raise ValueError(f"--tokenizer-model: {cfg!r} next to the tokenizer is not a readable JSON object "
+                             f"({err})") from None
+        return {k: (v.get("content") if isinstance(v, dict) else v) if isinstance(v, (dict, str)) else None
+                for k, v in tokens.items()}
 
     @property
     def eod(self) -> int:

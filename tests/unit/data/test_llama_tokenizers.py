@@ -49,7 +49,7 @@ def _llama3_tokenizer_json(texts, path):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"])
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
@@ -82,6 +82,10 @@ def files(tmp_path_factory):
     texts = _training_texts()
     (d / "llama3").mkdir()
     _llama3_tokenizer_json(texts, d / "llama3" / "tokenizer.json")
+    (d / "llama3_instruct").mkdir()  # the same file, with the end of turn as end of document
+    (d / "llama3_instruct" / "tokenizer.json").write_bytes((d / "llama3" / "tokenizer.json").read_bytes())
+    (d / "llama3_instruct" / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}}))
     _byte_fallback_tokenizer_json(texts, d / "llama2_hf.json")
     model = io.BytesIO()  # Llama 2's settings: BPE, byte fallback, digits split, text kept as it is
     sentencepiece.SentencePieceTrainer.train(
@@ -103,9 +107,12 @@ def test_huggingface_tokenizer_json_matches_transformers(files, kind):
     texts = [SAMPLE, "", "  two  spaces\n\nand lines", _texts()[3][:500]]
     ids = tok.tokenize_batch(texts)
     assert ids == [hf(t).input_ids for t in texts] == [tok.tokenize(t) for t in texts]
-    assert all(i[0] == hf.convert_tokens_to_ids(bos) for i in ids)  # BOS from the post-processor
+    assert all(i[0] == hf.convert_tokens_to_ids(bos) == tok.bos for i in ids)  # BOS from the post-processor
     assert tok.eod == hf.convert_tokens_to_ids(eos) and tok.vocab_size == len(hf)
     assert tok.detokenize(ids[0]) == hf.decode(ids[0]) and tok.detokenize(ids[0][1:]) == SAMPLE
+    if kind == "llama3":
+        instruct = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(files / "llama3_instruct"))
+        assert instruct.eod == hf.convert_tokens_to_ids("<|eot_id|>") != tok.eod and instruct.bos == tok.bos
     if kind == "byte_fallback":  # the snowman is not in the vocabulary: its three UTF-8 bytes are
         snowman = [hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "☃".encode()]
         assert any(ids[0][k:k + 3] == snowman for k in range(len(ids[0])))
