@@ -80,3 +80,20 @@ def test_one_gpu_memory_default(capsys):
     assert plan.main(argv + ["--gpu-memory-gb", "80"]) == 0
     limits = {p["memory_limit_gib"] for p in json.loads(capsys.readouterr().out)["predictions"]}
     assert limits and all(x == pytest.approx(80e9 / GIB) for x in limits)
+
+
+def test_unfused_bias_dropout_add_keeps_its_masks():
+    """``--no-bias-dropout-fusion`` reaches the planner (from its own flags and from a trainer namespace) and adds
+    the two 1-byte hidden-dropout masks the fused kernel does not keep."""
+    import argparse
+
+    from megatron.core.planner.flags import inputs_from_argv, planner_argv
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --global-batch-size 2 "
+            "--micro-batch-size 2 --bf16 --hidden-dropout 0.1").split()
+    _, fused, _, _ = inputs_from_argv(base, num_gpus=1)
+    shape, unfused, _, _ = inputs_from_argv(base + planner_argv(argparse.Namespace(bias_dropout_fusion=False)),
+                                            num_gpus=1)
+    assert fused.bias_dropout_fusion and not unfused.bias_dropout_fusion
+    extra = layer_activation_bytes(shape, unfused, "none") - layer_activation_bytes(shape, fused, "none")
+    assert extra == 2 * 64 * 2 * 64  # two masks of s x b x h bytes
