@@ -113,7 +113,8 @@ def main() -> None:
     where = "bf16 on GPUs (NCCL)" if a.cuda else \
         f"fp32 on the CPU (gloo, 1 thread per process, {os.cpu_count()} cores shared with other work)"
     body = [f"{where}, "
-            f"medians of {a.reps} forward + backward passes after {a.warmup}, the variants in turns; input [s/t, b, h] = "
+            f"medians of {a.reps} forward + backward passes after {a.warmup}, the variants in turns; "
+            f"input [s/t, b, h] = "
             f"[{a.seq}/t, {a.batch}, {a.hidden}], weight [{a.out_features}/t, {a.hidden}].", "",
             "| TP | shard kept, gathered again in backward (ms) | gathered input kept (ms) | difference (ms) | "
             "one all-gather alone (ms) | saved input: shard / gathered (MiB) |",

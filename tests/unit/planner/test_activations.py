@@ -243,7 +243,8 @@ def _bert_head_saved_and_predicted(pstate, sp: bool):
     acts = chunk_activations(shape, layout, Chunk(0, pre=False, post=True), device="cpu")
     fp32_logits = 4 * k * B * v // t
     # the selected rows' logits and their fp32 copy, or half a layer's activations (its gradients) if larger
-    assert acts.transient == max(2 * k * B * v // t + fp32_logits, 0.5 * layer_activation_bytes(shape, layout, "none", "cpu"))
+    half_layer = 0.5 * layer_activation_bytes(shape, layout, "none", "cpu")
+    assert acts.transient == max(2 * k * B * v // t + fp32_logits, half_layer)
     return sum(seen.values()), acts.kept + fp32_logits
 
 
