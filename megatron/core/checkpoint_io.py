@@ -287,6 +287,20 @@ def write_manifest(ckpt_dir: str, iteration: int, records: Iterable[FileRecord])
     return os.path.join(ckpt_dir, MANIFEST)
 
 
+def write_folder_manifest(ckpt_dir: str, iteration: int) -> str:
+    """Hash every file already in ``ckpt_dir`` and write its manifest (for writers that did not hash while
+    writing, such as the converter: one more read of each file)."""
+    records = []
+    for folder, _, names in os.walk(ckpt_dir):
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            if name == MANIFEST or ".tmp." in name:
+                continue
+            rel = os.path.relpath(path, ckpt_dir)
+            records.append(FileRecord(rel.replace(os.sep, "/"), os.path.getsize(path), file_digest(path)))
+    return write_manifest(ckpt_dir, iteration, records)
+
+
 def invalidate_manifest(ckpt_dir: str) -> bool:
     """Remove ``ckpt_dir``'s manifest before its files are written again (a re-save of the same iteration), so
     a save cut short leaves an incomplete folder, never one whose manifest lists older bytes."""

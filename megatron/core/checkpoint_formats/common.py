@@ -93,6 +93,8 @@ def atomic_save(obj, path: str) -> None:
 
 
 def write_tracker(root: str, iteration: int, release: bool) -> None:
+    """Once every rank's file is written: the folder's manifest, then the tracker (``checkpoint_io``'s order)."""
+    checkpoint_io.write_folder_manifest(checkpoint_io.iteration_dir(root, iteration, release), iteration)
     checkpoint_io.write_tracker(root, iteration, release)
 
 
