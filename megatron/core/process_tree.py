@@ -4,9 +4,12 @@ SLURM, systemd, Kubernetes and ``torchrun`` stop a job by signalling whole proce
 DataLoader workers receive the same SIGTERM (or SIGUSR1, SIGINT) as the trainer. A worker killed by it makes the
 trainer fail (``DataLoader worker ... is killed by signal``) before it can save. Workers therefore ignore the
 signals that ask a run to stop (``ignore_stop_signals``): the trainer decides, and shuts its loaders down itself.
+(PyTorch's worker loop installs a handler for SIGTERM that prints a message and dies; the ``worker_init_fn``
+runs after it and replaces it. The trainer's SIGCHLD handler is what turns a worker's death into the error.)
 
 The reverse must hold too: a worker (or a rank under a launcher) whose parent was SIGKILLed would otherwise live
-on, holding the parent's files, sockets and the run lock. ``die_with_parent`` asks the Linux kernel to deliver a
+on, holding the parent's files, sockets and the run lock (PyTorch's workers notice a dead parent only at their
+next 5 s status check). ``die_with_parent`` asks the Linux kernel to deliver a
 signal when the parent dies (``prctl(PR_SET_PDEATHSIG)``), and checks that the parent did not die before that.
 """
 
