@@ -311,9 +311,6 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
     what = _FORMAT_NAMES.get(fmt, "checkpoint")
     want_optim = not cfg.finetune and not cfg.no_load_optim and optimizer is not None
     want_rng = not cfg.finetune and not cfg.no_load_rng
-    if fmt == "torch_dist" and want_optim:
-        raise CheckpointError(f"{iter_folder} is a {what}: its optimizer state is not read; resume it with "
-                              "--no-load-optim (or --finetune)")
     vpp = len(model) if len(model) > 1 else None
     try:
         family = _family_of(model)
@@ -394,7 +391,8 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
             _print0(f"RNG state not restored: it belongs to the saved layout ({saved}); dropout and sampling "
                     "draw fresh streams from --seed")
         elif fmt == "torch_dist":
-            _print0(f"RNG state not restored: a {what} is read for its model weights only")
+            _print0(f"RNG state not restored: the {what} holds none; dropout and sampling draw fresh streams "
+                    "from --seed")
         else:
             raise CheckpointError(f"--load {root}: the {what} holds no RNG state; use --no-load-rng")
     return int(ckpt.iteration), int(ckpt.consumed_samples)

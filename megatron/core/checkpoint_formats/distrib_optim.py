@@ -81,7 +81,13 @@ def read_distrib_optim(path: str, megatron_chunks: List[Dict[str, Any]], args: D
     """``{(chunk, name): {"param", "exp_avg", "exp_avg_sq"}}`` of one model-parallel rank from its
     ``distrib_optim.pt``; ``megatron_chunks`` are the rank's model state dicts as saved (Megatron-Core's
     parameter order, ``_extra_state`` entries included or not)."""
-    state = load_megatron_file(path)
+    return per_param_from_buffers(load_megatron_file(path), path, megatron_chunks, args, pp_rank, own_bucket)
+
+
+def per_param_from_buffers(state: Any, path: str, megatron_chunks: List[Dict[str, Any]], args: Dict[str, Any],
+                           pp_rank: int, own_bucket: Tuple[str, ...] = ()) -> Dict[Tuple[int, str],
+                                                                                   Dict[str, torch.Tensor]]:
+    """:func:`read_distrib_optim` of the file's content ``state`` (``path`` names it in messages)."""
     if isinstance(state, list):
         if len(state) != 1:
             raise CheckpointFormatError(f"{path}: {len(state)} chained optimizers (expert or decoupled "
