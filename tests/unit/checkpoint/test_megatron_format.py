@@ -202,6 +202,30 @@ def test_torch_dist_metadata_is_unpickled_through_an_allowlist(tmp_path):
     assert not os.path.exists("/tmp/_ckpt_exploit_ran")
 
 
+def test_megatron_lm_torch_dist_with_mcore_metadata_gives_the_distributed_optimizer_by_name():
+    """Megatron-Core 0.15's own torch_dist writer (fixtures/make_megatron_torch_dist_optim_fixture.py) pickles its
+    ``MCoreMetadata`` into ``.metadata``: it is read through a data-only stand-in, and the distributed optimizer's
+    dp_reshardable buckets give each parameter's fp32 main copy (which rounds to exactly the bf16 weight
+    Megatron-Core copied from it) and Adam moments; scheduler (samples -> iterations) and RNG carry over."""
+    from megatron.core.checkpoint_formats.megatron_dist import MCoreMetadata, read_dcp_metadata
+
+    root = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_torch_dist")
+    assert type(read_dcp_metadata(os.path.join(root, "iter_0000003"))) is MCoreMetadata
+    ckpt = read_megatron_checkpoint(root)
+    assert (ckpt.iteration, ckpt.consumed_samples, ckpt.scheduler["num_steps"]) == (3, 12, 3)
+    named, meta = ckpt.extra["optimizer_by_name"][(0, 0)]
+    assert meta["kind"] == "distributed" and meta["step"] == 3.0
+    assert [g["weight_decay"] for g in meta["param_groups"]] == [0.01, 0.0]
+    weights = ckpt.model_state_per_rank[(0, 0)][0]
+    assert set(named[0]) == set(weights) and len(weights) == 28
+    for name, entry in named[0].items():
+        torch.testing.assert_close(entry["param"].to(torch.bfloat16), weights[name], atol=0, rtol=0, msg=name)
+        assert entry["exp_avg_sq"].min() >= 0 and entry["exp_avg_sq"].max() > 0, name
+    assert ckpt.optimizer[(0, 0)]["distributed_optimizer"] and ckpt.rng[(0, 0)]["random"][0] == 3
+    without = read_megatron_checkpoint(root, load_optim=False, load_rng=False)
+    assert without.optimizer is None and without.rng is None and without.scheduler is None
+
+
 def _resume(ckpt, dims, load_optimizer: bool):
     """Continue the fixture's run for ten iterations on its data, from the consumed-samples position."""
     golden = _golden()
