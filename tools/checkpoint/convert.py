@@ -4,7 +4,8 @@
         --load-dir /ckpt/megatron --save-dir /ckpt/ours --target-tensor-parallel-size 2 \
         --target-pipeline-parallel-size 2 --reshard-optimizer
 
-Loaders: ``megatron`` (Megatron-LM legacy torch format, read through an allowlist, never executing code),
+Loaders: ``megatron`` (Megatron-LM legacy torch format, also pre-Core files of ``checkpoint_version`` 0-3, and
+``torch_dist``, read through an allowlist, never executing code),
 ``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2; for BERT ``BertForPreTraining`` post-LN or
 ``MegatronBertForPreTraining`` pre-LN). Savers: ``ours``, ``megatron`` (any target TP/PP;
 ``--reshard-optimizer`` carries optimizer, scheduler and, when the layout is unchanged, RNG state) and ``hf``.
@@ -61,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-file", default=None,
                    help="GPT-2 vocab.json or BERT WordPiece vocab.txt (default: the saved arguments')")
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: the saved arguments')")
+    p.add_argument("--num-attention-heads", type=_positive("--num-attention-heads"), default=None,
+                   help="--loader megatron: the model's attention heads, for a pre-Core checkpoint that stores no "
+                        "arguments")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive("--make-vocab-size-divisible-by"),
                    default=None, help="vocabulary padding of an hf source (default 128)")
     opts = p.parse_args(argv)

@@ -26,6 +26,7 @@ from megatron.core.checkpoint_formats.distrib_optim import (distributed_optimize
                                                              own_bucket_names, read_distrib_optim,
                                                              write_distrib_optim)
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily, check_supported_args
+from megatron.core.checkpoint_formats.megatron_precore import core_view
 from megatron.core.checkpoint_formats.megatron_state import (rng_from_megatron, rng_to_megatron,
                                                              scheduler_from_megatron, scheduler_to_megatron)
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
@@ -56,14 +57,16 @@ def _distributed_to_named(opt_sd: dict, distrib: str, mg_chunks, plain_mg, args:
 
 # ---- read ---------------------------------------------------------------------------------------------------------
 def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: bool = True,
-                             load_rng: bool = True, iteration: Optional[int] = None) -> LoadedCheckpoint:
+                             load_rng: bool = True, iteration: Optional[int] = None,
+                             num_attention_heads: Optional[int] = None) -> LoadedCheckpoint:
     """Read a Megatron-LM legacy checkpoint folder (any TP/PP) into our layouts.
 
     Returns ``(model_state_per_rank, optimizer, scheduler, rng, iteration, consumed_samples, args_dict, extra)``:
     model state dicts without ``_extra_state`` (our module order), our trainer's optimizer state dicts (same
     precision wrapper, our parameter order), our scheduler state (iterations), our RNG state per rank.
     A ``torch_dist`` folder is read by ``megatron_dist.read_torch_dist_checkpoint``.
-    ``iteration``: read that one instead of the tracker's (a fallback to an older intact checkpoint)."""
+    ``iteration``: read that one instead of the tracker's (a fallback to an older intact checkpoint);
+    ``num_attention_heads``: the model's, for a pre-Core file that stores no arguments."""
     if iteration is None:
         iteration, iter_dir = read_tracker(root)
     else:
@@ -78,6 +81,8 @@ def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: b
     sched_raw, args, first = None, None, None
     for rank, path in sorted(files.items()):
         state = load_megatron_file(path)
+        if isinstance(state, dict):  # a pre-Core file: its weights under Core names (megatron_precore.py)
+            state = core_view(state, family, 1 + max(t for t, _ in files), num_attention_heads, path)
         if not isinstance(state, dict) or "args" not in state:
             raise CheckpointFormatError(f"{path} is not a Megatron-LM training checkpoint (no 'args')")
         if isinstance(state["args"], dict):
