@@ -28,8 +28,10 @@ per-data-parallel-rank list of the legacy format.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
+import json
 import os
 import pickle
 import re
@@ -39,11 +41,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from megatron.core.checkpoint_formats.common import LoadedCheckpoint, read_tracker, to_family_order
-from megatron.core.checkpoint_formats.distrib_optim import (hyper_from_distributed, own_bucket_names,
-                                                             per_param_from_buffers)
-from megatron.core.checkpoint_formats.layout import GPT, ModelFamily, check_supported_args
-from megatron.core.checkpoint_formats.megatron_state import rng_from_megatron, scheduler_from_megatron
+from megatron.core.checkpoint_formats.common import (LoadedCheckpoint, read_tracker, to_family_order,
+                                                     write_tracker)
+from megatron.core.checkpoint_formats.distrib_optim import (buffer_buckets, distributed_optimizer_groups,
+                                                             hyper_from_distributed, own_bucket_names,
+                                                             per_param_from_buffers, write_distrib_optim)
+from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily, check_supported_args
+from megatron.core.checkpoint_formats.megatron_state import (rng_from_megatron, rng_to_megatron,
+                                                             scheduler_from_megatron, scheduler_to_megatron)
 from megatron.core.checkpoint_formats.optimizer_state import named_from_keys, named_to_ours
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
 
@@ -265,3 +270,89 @@ def read_torch_dist_checkpoint(root: str, family: ModelFamily = GPT, args: Optio
              "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far")}
     return LoadedCheckpoint({(0, 0): [full]}, optimizers, sched, rngs, int(common.get("iteration", iteration)),
                             int(args.get("consumed_train_samples") or 0), args, extra)
+
+
+# ---- write --------------------------------------------------------------------------------------------------------
+_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+            "common_backend_version": 1}
+_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+             "chained_optim_avoid_prefix": True}
+
+
+def _object_bytes(value: Any) -> list:
+    """A sharded object as Megatron-Core stores it: a one-element list (torch's writer ``torch.save``s it)."""
+    return [value]
+
+
+def write_torch_dist_checkpoint(root: str, full: Dict[str, torch.Tensor], dims: ModelDims, args: argparse.Namespace,
+                                iteration: int, family: ModelFamily = GPT, optimizer_by_name=None,
+                                scheduler: Optional[dict] = None, rng: Optional[dict] = None,
+                                num_floating_point_operations_so_far: float = 0.0) -> str:
+    """Write the full model ``full`` (our names) as Megatron-LM's ``--ckpt-format torch_dist`` checkpoint of
+    iteration ``iteration`` (``iter_NNNNNNN/`` and the tracker) and return the iteration folder.
+
+    ``args``: the Namespace Megatron-LM stores (``megatron_lm.megatron_args``); ``optimizer_by_name``:
+    ``(named, meta)`` of the full model, written as the distributed optimizer's ``dp_reshardable`` state (one
+    model-parallel group, the buckets ``args``' DDP flags give); ``scheduler``: ours; ``rng``: ours."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _PlainWriter(FileSystemWriter):
+        """Without the storage facts (a ``pathlib`` path) torch would pickle into ``.metadata``: data only."""
+
+        def storage_meta(self):
+            return None
+
+    inverse = {ours: theirs for theirs, ours in _RENAMES.items()}
+    layers = dims.num_layers
+    items: Dict[str, Any] = {}
+    for name, value in full.items():
+        index, rel = family.split_layer_name(name)
+        if index is None:
+            items[name] = value.detach().contiguous()
+    for rel in family.layer:
+        items[family.layer_prefix + inverse.get(rel, rel)] = torch.stack(
+            [full[family.layer_name(i, rel)].detach() for i in range(layers)])
+    for module in family.megatron_extra_state_layer:
+        for i in range(layers):
+            items[f"{family.layer_prefix}{module}._extra_state/shard_{i}_{layers}"] = _object_bytes(None)
+    plain = vars(args)
+    common: Dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                              "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+                              "content_metadata": dict(_SHARDING)}
+    if optimizer_by_name is not None:
+        named, meta = optimizer_by_name
+        mg_chunks = [to_family_order(full, family, megatron=True)]
+        per_key = {(c, n): e for c, chunk in enumerate(named) for n, e in chunk.items()}
+        flat = write_distrib_optim(mg_chunks, per_key, plain, 0, own_bucket_names(plain, family))
+        prefix = "optimizer.distributed.dp_group_idx_0"
+        unpadded = []
+        for gbuf, ((pdt, gdt), ends) in buffer_buckets(mg_chunks, plain, 0, own_bucket_names(plain, family)).items():
+            entry = flat[gbuf][(pdt, gdt)]
+            starts = [0] + ends[:-1]
+            for b, (start, end) in enumerate(zip(starts, ends)):
+                for which in ("param", "exp_avg", "exp_avg_sq"):
+                    items[f"{prefix}.gbuf_idx_{gbuf}.dtype_({pdt}, {gdt}).bucket_idx_{b}.{which}"] = \
+                        entry[which][start:end].clone()
+            unpadded.append({(pdt, gdt): [end - start for start, end in zip(starts, ends)]})
+        groups = distributed_optimizer_groups(meta)["optimizer"]
+        items[f"{prefix}.optimizer/shard_0_1"] = _object_bytes(groups)
+        items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = _object_bytes(unpadded)
+        common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+        if meta.get("grad_scaler") is not None:
+            items[f"{prefix}.grad_scaler/shard_0_1"] = _object_bytes(meta["grad_scaler"])
+        if scheduler is not None:
+            common["opt_param_scheduler"] = scheduler_to_megatron(scheduler, plain)
+    if rng is not None:
+        items["rng_state/shard_0.0_1.1"] = _object_bytes(rng_to_megatron(rng))
+    iter_dir = os.path.join(root, f"iter_{iteration:07d}")
+    os.makedirs(iter_dir, exist_ok=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        save(items, storage_writer=_PlainWriter(iter_dir), planner=DefaultSavePlanner(flatten_state_dict=False),
+             no_dist=True)
+    torch.save(common, os.path.join(iter_dir, "common.pt"))
+    with open(os.path.join(iter_dir, "metadata.json"), "w") as f:
+        json.dump(_BACKEND, f)
+    write_tracker(root, iteration, release=False)
+    return iter_dir
