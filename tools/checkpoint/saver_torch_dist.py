@@ -4,7 +4,7 @@ the optimizer is that run's distributed optimizer (``dp_reshardable``)."""
 
 from megatron.core.checkpoint_formats import CheckpointFormatError
 from megatron.core.checkpoint_formats.megatron_dist import write_torch_dist_checkpoint
-from megatron.core.checkpoint_formats.megatron_lm import megatron_args
+from megatron.core.checkpoint_formats.megatron_lm import megatron_args, megatron_param_groups
 from saver_common import shards_and_state
 
 
@@ -15,7 +15,10 @@ def save(opts, payload) -> list:
     opts.target_tensor_parallel_size = opts.target_pipeline_parallel_size = 1
     shards, optimizer, scheduler, rng, _, notes = shards_and_state(opts, payload)
     payload.notes.extend(notes)
-    by_name = optimizer[(0, 0)] if optimizer else None
+    by_name = None
+    if optimizer:
+        named, meta = optimizer[(0, 0)]
+        by_name = (named, dict(meta, param_groups=megatron_param_groups(meta["param_groups"], scheduler)))
     ns = megatron_args(payload.args, payload.dims, 1, 1, payload.consumed_samples, payload.iteration,
                        distributed_optimizer=by_name is not None, ckpt_format="torch_dist")
     iter_dir = write_torch_dist_checkpoint(opts.save_dir, shards[(0, 0)][0], payload.dims, ns, payload.iteration,
