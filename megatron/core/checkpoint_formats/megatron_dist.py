@@ -74,6 +74,7 @@ _DCP_CLASSES = {
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # torch's own writer records the folder in ``storage_meta``
 }
 _MCORE_CLASSES = {"megatron.core.dist_checkpointing.strategies.torch": {"MCoreMetadata": MCoreMetadata,
                                                                          "MCoreSavePlan": MCoreSavePlan}}

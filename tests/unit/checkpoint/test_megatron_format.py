@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -252,6 +253,25 @@ def test_our_torch_dist_writer_round_trips_megatron_lms_checkpoint(tmp_path, cap
     assert torch.equal(b.rng[(0, 0)]["torch_cpu"], a.rng[(0, 0)]["torch_cpu"])
     assert json.load(open(os.path.join(FIXTURE, "megatron_core_loads_our_torch_dist.json")))[
         "max_abs_logit_difference"] < 1e-5
+
+
+def test_torch_dist_sharded_objects_are_unpickled_through_the_allowlist(tmp_path):
+    """A sharded object (here ``rng_state``) whose bytes need a code-running global is refused by name, never run
+    (torch's own reader would unpickle it with ``weights_only=False``)."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    it = tmp_path / "iter_0000001"
+    it.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        save({"embedding.word_embeddings.weight": torch.zeros(4, 2), "rng_state/shard_0.0_1.1": [_Exploit()]},
+             storage_writer=FileSystemWriter(str(it)), planner=DefaultSavePlanner(flatten_state_dict=False),
+             no_dist=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(CheckpointFormatError, match="rng_state.*system"):
+        read_megatron_checkpoint(str(tmp_path), load_optim=False)
+    assert not os.path.exists("/tmp/_ckpt_exploit_ran")
 
 
 def _resume(ckpt, dims, load_optimizer: bool):
