@@ -2,7 +2,8 @@
 2, 3 with their QKV orders), as NVIDIA's published 345M GPT and BERT checkpoints and the how-tos of that time have
 them. Each file is written here from a random Hugging Face model in the documented layout of its version; it
 converts with ``tools/checkpoint/convert.py`` and loads with ``--load`` (``--finetune``), and our model then gives
-the Hugging Face model's logits (GPT2LMHeadModel; MegatronBertForPreTraining for BERT: MLM and binary head)."""
+the Hugging Face model's logits (GPT2LMHeadModel; MegatronBertForPreTraining for BERT: MLM and binary head). The
+345M sizes: a shape check here, a full conversion opt-in (``MEGATRON_LITE_345M=1``)."""
 
 import argparse
 import os
@@ -246,7 +247,7 @@ def precore_bert(hf, version) -> dict:
 
 
 @pytest.mark.parametrize("version", [None, 1, 3], ids=["v0", "v1", "v3"])
-def test_precore_bert_converts_with_megatron_berts_outputs(tmp_path, capsys, version):
+def test_precore_bert_converts_and_loads_with_megatron_berts_outputs(tmp_path, capsys, version):
     vocab = 24
     dims = bert_dims(vocab)
     config = transformers.MegatronBertConfig(vocab_size=vocab, hidden_size=dims.hidden_size,
@@ -271,12 +272,18 @@ def test_precore_bert_converts_with_megatron_berts_outputs(tmp_path, capsys, ver
     rc, _, err = _run(capsys, "--model-type", "BERT", "--loader", "megatron", "--saver", "ours", "--load-dir", root,
                       "--save-dir", ours)
     assert rc == 0, err
-    full = read_our_checkpoint(ours).model_state_per_rank[(0, 0)][0]
-    _, logits, binary = our_outputs(full, dims, post_ln=False, vocab=vocab)
+    from megatron.training import checkpointing
+    from tests.unit.checkpoint.bert_helpers import bert_model
+    from tests.unit.checkpoint.test_trainer_load import _cfg
+
     ids, types, padding = batch(vocab)
     with torch.no_grad():
         ref = hf(input_ids=ids, token_type_ids=types, attention_mask=padding)
-    # MLM logits at the real tokens (padding positions differ in how the two mask them), and the binary head
     mask = padding.bool()
-    torch.testing.assert_close(logits[mask], ref.prediction_logits[mask], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(binary, ref.seq_relationship_logits, atol=1e-4, rtol=1e-4)
+    direct = bert_model(dims, post_ln=False)  # --load (--finetune) of the pre-Core folder itself
+    checkpointing.load_checkpoint([direct], None, None, _cfg(root, finetune=True), ParallelState.single())
+    for full in (read_our_checkpoint(ours).model_state_per_rank[(0, 0)][0], direct.state_dict()):
+        _, logits, binary = our_outputs(full, dims, post_ln=False, vocab=vocab)
+        # MLM logits at the real tokens (padding positions differ in how the two mask them), and the binary head
+        torch.testing.assert_close(logits[mask], ref.prediction_logits[mask], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(binary, ref.seq_relationship_logits, atol=1e-4, rtol=1e-4)
