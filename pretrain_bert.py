@@ -12,7 +12,7 @@ arguments); every other flag is the trainer's. The iteration line reports ``lm l
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import List, Optional
 
 
@@ -78,9 +78,9 @@ BERT = ExtraSection("bert", BertConfig, add_bert_arguments, validate_bert)
 def model_provider(ctx: TrainingContext) -> List[BertModel]:
     """This rank's BERT chunks (one per virtual pipeline stage), initialised layout-independently."""
     m, par, pstate, bert = ctx.config.model, ctx.config.parallel, ctx.pstate, ctx.config.extra["bert"]
-    config = replace(transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size),
-                     attention_mask_type="padding",
-                     apply_residual_connection_post_layernorm=bert.apply_residual_connection_post_layernorm)
+    config = transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size,
+                                attention_mask_type="padding",
+                                apply_residual_connection_post_layernorm=bert.apply_residual_connection_post_layernorm)
     chunks = []
     for c in stage_chunks(m.num_layers, pstate, par.decoder_first_pipeline_num_layers,
                           par.decoder_last_pipeline_num_layers):

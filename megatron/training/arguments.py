@@ -14,14 +14,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.core.model_spec import swiglu_ffn_hidden_size
 from megatron.training.config import RunConfig, pad_vocab_size
 from megatron.training.flag_table import ConfigError, closest, rewrite_argv
 from megatron.training.parser import build_parser
 
 # Megatron-LM values of implemented flags that are refused by name: flag -> supported values
 SUPPORTED_CHOICES = {
-    "position_embedding_type": ("--position-embedding-type", ("learned_absolute",)),
-    "normalization": ("--normalization", ("LayerNorm",)),
     "transformer_impl": ("--transformer-impl", ("local",)),
     "ckpt_format": ("--ckpt-format", ("torch",)),
 }
@@ -165,7 +164,7 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _resolve_backend(ns)
 
     if ns.ffn_hidden_size is None:
-        ns.ffn_hidden_size = 4 * ns.hidden_size
+        ns.ffn_hidden_size = swiglu_ffn_hidden_size(ns.hidden_size) if ns.swiglu else 4 * ns.hidden_size
     if ns.max_position_embeddings is None:
         ns.max_position_embeddings = ns.seq_length
     if ns.recompute_activations:
@@ -272,6 +271,11 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
 CHECKPOINT_ARGS = {"num_layers": None, "hidden_size": None, "num_attention_heads": None, "ffn_hidden_size": None,
                    "seq_length": None, "max_position_embeddings": None, "make_vocab_size_divisible_by": 128,
                    "norm_epsilon": 1e-5, "apply_layernorm_1p": False, "untie_embeddings_and_output_weights": False,
+                   "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
+                   "rotary_interleaved": False, "rotary_seq_len_interpolation_factor": None,
+                   "use_rope_scaling": False, "rope_scaling_factor": 8.0, "normalization": "LayerNorm",
+                   "swiglu": False, "group_query_attention": False, "num_query_groups": 1, "kv_channels": None,
+                   "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
                    "tokenizer_type": "GPT2BPETokenizer"}
 
 
