@@ -14,8 +14,9 @@ from megatron.core.model_spec import ATTENTION_MASK_TYPES, ModelSpec  # noqa: F4
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
 
 
-# Spec options the transformer layers of this package build, and the flag that asks for each other value: a model
-# asking for another value stops at construction with one line instead of silently ignoring the option.
+# Spec options the transformer layers of this package build, and the flag that asks for each other value: the model
+# builders (the entry points' model providers, the inference loader) call ``check_layer_support`` so that a model
+# asking for another value stops with one line instead of silently ignoring the option.
 LAYER_SUPPORT = (
     # (field, values the layers build, flag that names the option)
     ("normalization", ("LayerNorm",), "--normalization"),
@@ -65,7 +66,6 @@ class TransformerConfig(ModelSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.check_layer_support()
         if self.recompute_granularity not in (None, "selective", "full"):
             raise ValueError(f"--recompute-granularity must be selective or full, got {self.recompute_granularity}")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
