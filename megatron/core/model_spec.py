@@ -121,6 +121,15 @@ class ModelSpec:
         if not self.rope_scaling_factor > 0:
             raise ValueError(f"--rope-scaling-factor must be above 0, got {self.rope_scaling_factor}")
 
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """The shape constraints of splitting this model over ``tp_size`` tensor-parallel ranks (Megatron's: query
+        heads, key/value groups and the MLP split evenly)."""
+        for name, flag in (("num_attention_heads", "--num-attention-heads"), ("num_query_groups", "--num-query-groups"),
+                           ("ffn_hidden_size", "--ffn-hidden-size")):
+            if getattr(self, name) % tp_size:
+                raise ValueError(f"{flag} ({getattr(self, name)}) must be divisible by "
+                                 f"--tensor-model-parallel-size ({tp_size})")
+
     @property
     def rotary_dim(self) -> int:
         """Channels per head that RoPE rotates."""

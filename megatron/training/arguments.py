@@ -26,6 +26,10 @@ SUPPORTED_CHOICES = {
 }
 
 
+# --attention-backend (Megatron-LM's names) -> the TransformerConfig kernel
+ATTENTION_BACKENDS = {"auto": "sdpa", "flash": "flash", "fused": "cudnn", "unfused": "unfused", "local": "unfused"}
+
+
 class _Parser(argparse.ArgumentParser):
     """Errors become ``ConfigError`` (one line, no usage text), with the closest flag names for unknown ones."""
 
@@ -48,8 +52,10 @@ class _Parser(argparse.ArgumentParser):
         return [s for a in self._actions for s in a.option_strings if s.startswith("--")]
 
 
-def make_parser(extra_sections=()) -> _Parser:
-    parser = _Parser(description="Megatron-style pretraining", allow_abbrev=False)
+def make_parser(extra_sections=(), **kwargs) -> _Parser:
+    """The trainer's parser with the entry point's sections; ``kwargs`` go to ``argparse.ArgumentParser``."""
+    kwargs.setdefault("description", "Megatron-style pretraining")
+    parser = _Parser(allow_abbrev=False, **kwargs)
     build_parser(parser)
     for section in extra_sections:
         section.add_arguments(parser)
@@ -177,8 +183,7 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
     ns.params_dtype = "bfloat16" if ns.bf16 else ("float16" if ns.fp16 else "float32")
     if ns.no_masked_softmax_fusion:
         ns.attention_backend = "unfused"
-    ns.attention_backend = {"auto": "sdpa", "flash": "flash", "fused": "cudnn", "unfused": "unfused",
-                            "local": "unfused"}[ns.attention_backend]
+    ns.attention_backend = ATTENTION_BACKENDS[ns.attention_backend]
     if ns.bf16 and ns.fp16:
         _fail("give only one of --bf16 and --fp16")
     if ns.max_consecutive_skipped_iterations < 0:

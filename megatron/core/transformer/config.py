@@ -110,16 +110,8 @@ class TransformerConfig(ModelSpec):
                              "this package's transformer layers")
 
     def check_tensor_parallel(self, tp_size: int) -> None:
-        """The shape constraints of splitting this model over ``tp_size`` tensor-parallel ranks (Megatron's)."""
-        if self.num_attention_heads % tp_size:
-            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
-                             f"--tensor-model-parallel-size ({tp_size})")
-        if self.num_query_groups % tp_size:
-            raise ValueError(f"--num-query-groups ({self.num_query_groups}) must be divisible by "
-                             f"--tensor-model-parallel-size ({tp_size})")
-        if self.ffn_hidden_size % tp_size:
-            raise ValueError(f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
-                             f"--tensor-model-parallel-size ({tp_size})")
+        """The model's constraints (``ModelSpec``) and sequence parallelism's."""
+        super().check_tensor_parallel(tp_size)
         if self.sequence_parallel and self.seq_length % tp_size:
             raise ValueError(f"--seq-length ({self.seq_length}) must be divisible by --tensor-model-parallel-size "
                              f"({tp_size}) under --sequence-parallel")
