@@ -76,9 +76,15 @@ def parse_planner_argv(argv: Sequence[str], search: bool = False, parser_extensi
 
 def model_shape(ns: argparse.Namespace, model: str = "gpt", vocab_size: Optional[int] = None) -> ModelShape:
     """The planner's model for the trainer's flags ``ns`` (validated or read by :func:`parse_planner_argv`);
-    ``vocab_size``: the tokenizer's (default: the flags' ``--vocab-size``, else GPT-2's or BERT's)."""
+    ``vocab_size``: the tokenizer's (default: the flags' ``--vocab-size``, as NullTokenizer counts it with
+    ``--tokenizer-type NullTokenizer``, else GPT-2's or BERT's)."""
     bert = model == "bert"
-    vocab = vocab_size or getattr(ns, "vocab_size", None) or (BERT_VOCAB if bert else GPT2_VOCAB)
+    flag_vocab = getattr(ns, "vocab_size", None)
+    if vocab_size is None and flag_vocab and getattr(ns, "tokenizer_type", None) == "NullTokenizer":
+        from megatron.core.tokenizer import build_tokenizer
+
+        vocab_size = build_tokenizer("NullTokenizer", vocab_size=flag_vocab).vocab_size  # its end-of-document id
+    vocab = vocab_size or flag_vocab or (BERT_VOCAB if bert else GPT2_VOCAB)
     binary = bool(getattr(ns, "bert_binary_head", True))
     spec = spec_from_args(vars(ns))
     return ModelShape(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}, model=model,
