@@ -248,3 +248,23 @@ def test_our_checkpoint_stores_the_spec_and_inference_builds_from_it(tmp_path):
     del state["model_spec"]
     torch.save(state, path)
     assert load_gpt_for_inference(str(tmp_path)).model.config.spec == want
+
+
+def test_the_llama_example_script_plans_its_run(tmp_path):
+    """examples/pretrain_llama.sh with DRY_RUN=1: the real entry point validates its flags (Megatron-LM's Llama-3
+    block) and the planner counts the model it describes exactly."""
+    import subprocess
+
+    from megatron.core.tokenizer import build_tokenizer
+
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=os.path.join(ROOT, "data/gpt2-vocab.json"),
+                           merge_file=os.path.join(ROOT, "data/gpt2-merges.txt"))
+    gpt2._tok.save(str(tmp_path / "tokenizer.json"))
+    env = dict(os.environ, DRY_RUN="1", DATA=str(tmp_path / "no_such_prefix"), CKPT=str(tmp_path / "ckpt"),
+               TOKENIZER=str(tmp_path / "tokenizer.json"), PYTHONPATH=ROOT)
+    proc = subprocess.run(["bash", "examples/pretrain_llama.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    want = model_counts.num_parameters(dataclasses.replace(LLAMA_SPEC, padded_vocab_size=50304))
+    assert f"parameters per (tensor, pipeline) rank: stage 0: {want:,}" in proc.stdout
+    assert "TP1 PP1 DP8 distopt" in proc.stdout and not (tmp_path / "ckpt").exists()
