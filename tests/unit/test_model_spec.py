@@ -268,3 +268,26 @@ def test_the_llama_example_script_plans_its_run(tmp_path):
     want = model_counts.num_parameters(dataclasses.replace(LLAMA_SPEC, padded_vocab_size=50304))
     assert f"parameters per (tensor, pipeline) rank: stage 0: {want:,}" in proc.stdout
     assert "TP1 PP1 DP8 distopt" in proc.stdout and not (tmp_path / "ckpt").exists()
+
+
+def test_hugging_face_gpt2_and_bert_configs_round_trip():
+    import transformers
+
+    from megatron.core.checkpoint_formats.hf_bert import hf_bert_config, spec_from_hf_bert_config
+    from megatron.core.checkpoint_formats.hf_gpt2 import hf_gpt2_config, spec_from_hf_gpt2_config
+
+    gpt2 = dataclasses.replace(GPT2_SPEC, share_embeddings_and_output_weights=True, seq_length=64,
+                               max_position_embeddings=64, layernorm_epsilon=1e-5)
+    cfg = _hf_config(transformers.GPT2Config, hf_gpt2_config(gpt2, 250, eod=249))
+    assert spec_from_hf_gpt2_config(cfg.to_dict()) == gpt2  # 250 rows padded to 256 at TP 1
+    # GPT2LMHeadModel counts the same parameters (its vocabulary: the 256 padded rows)
+    hf = transformers.GPT2LMHeadModel(_hf_config(transformers.GPT2Config, hf_gpt2_config(gpt2, None, eod=0)))
+    assert hf.num_parameters() == model_counts.num_parameters(gpt2)
+    for post_ln in (True, False):
+        bert = dataclasses.replace(gpt2, attention_mask_type="padding", layernorm_epsilon=1e-12,
+                                   apply_residual_connection_post_layernorm=post_ln)
+        d = hf_bert_config(bert, 250, binary_head=True)
+        cls = transformers.BertConfig if post_ln else transformers.MegatronBertConfig
+        assert spec_from_hf_bert_config({**_hf_config(cls, d).to_dict(), "model_type": d["model_type"]}) == bert
+    with pytest.raises(CheckpointFormatError, match="GPT2LMHeadModel cannot hold normalization = RMSNorm"):
+        hf_gpt2_config(dataclasses.replace(gpt2, normalization="RMSNorm"), None, None)

@@ -137,7 +137,7 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
     if missing and not isinstance(args.get(SPEC_KEY), dict):
         raise CheckpointFormatError(f"the checkpoint's saved arguments lack {missing[0]}")
     spec = spec_from_saved(args)
-    padded = spec.padded_vocab_size or args.get("padded_vocab_size")
+    padded = args.get("padded_vocab_size") or spec.padded_vocab_size
     if not padded and full is not None:
         padded = full["embedding.word_embeddings.weight"].shape[0]
     if not padded:
@@ -149,15 +149,35 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
     dtype = args.get("params_dtype")
     if dtype is None:
         dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
+    return dims_from_spec(spec, padded_vocab_size=int(padded), vocab_size=vocab_size,
+                          make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
+                          params_dtype=str(dtype).replace("torch.", ""), seq_length=args.get("seq_length"))
+
+
+def dims_from_spec(spec: ModelSpec, padded_vocab_size: Optional[int] = None, vocab_size: Optional[int] = None,
+                   make_vocab_size_divisible_by: int = 128, params_dtype: str = "float32",
+                   seq_length: Optional[int] = None) -> ModelDims:
+    """The sizes of the model ``spec`` describes, with what a checkpoint conversion adds: the real vocabulary (when
+    known), the padding rule and the dtype. ``seq_length`` defaults to the spec's."""
     return ModelDims(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         ffn_hidden_size=spec.ffn_hidden_size, max_position_embeddings=spec.max_position_embeddings,
-        padded_vocab_size=int(padded), vocab_size=vocab_size,
-        make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
-        seq_length=args.get("seq_length"), layernorm_epsilon=spec.layernorm_epsilon,
+        padded_vocab_size=int(padded_vocab_size or spec.padded_vocab_size), vocab_size=vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        seq_length=spec.seq_length if seq_length is None else seq_length, layernorm_epsilon=spec.layernorm_epsilon,
         apply_layernorm_1p=spec.layernorm_zero_centered_gamma,
-        tied_embeddings=spec.share_embeddings_and_output_weights,
-        params_dtype=str(dtype).replace("torch.", ""))
+        tied_embeddings=spec.share_embeddings_and_output_weights, params_dtype=params_dtype)
+
+
+def spec_of_dims(dims: ModelDims, **options) -> ModelSpec:
+    """The spec of a model of these sizes with GPT-2's and BERT's options (LayerNorm, learned positions, GeLU MLP,
+    biases) unless ``options`` (spec fields) say otherwise; the vocabulary as stored."""
+    return ModelSpec(num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+                     num_attention_heads=dims.num_attention_heads, ffn_hidden_size=dims.ffn_hidden_size,
+                     seq_length=dims.seq_length or dims.max_position_embeddings,
+                     max_position_embeddings=dims.max_position_embeddings, padded_vocab_size=dims.padded_vocab_size,
+                     layernorm_epsilon=dims.layernorm_epsilon, layernorm_zero_centered_gamma=dims.apply_layernorm_1p,
+                     share_embeddings_and_output_weights=dims.tied_embeddings, **options)
 
 
 def to_family_order(chunk: Dict[str, torch.Tensor], family: ModelFamily, megatron: bool) -> Dict[str, torch.Tensor]:
