@@ -247,8 +247,6 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(ns, name)}")
     if ns.save_interval is not None and ns.save_interval < 1:
         _fail(f"--save-interval must be >= 1, got {ns.save_interval}")
-    if ns.save_interval is not None and ns.save is None:
-        _fail("--save-interval needs --save")
     if ns.use_checkpoint_args and ns.load is None:
         _fail("--use-checkpoint-args needs --load")
     if ns.exit_on_missing_checkpoint and ns.load is None:
@@ -322,6 +320,8 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: int = 1,
         if getattr(ns, name) is None:
             setattr(ns, name, default)
     validate(ns, world_size)
+    if ns.save_interval is not None and ns.save is None:
+        notes.append(f"note: --save-interval {ns.save_interval} has no effect without --save; nothing is saved")
     for section in extra_sections:
         if section.validate is not None:
             section.validate(ns)

@@ -23,7 +23,8 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]
 
-from megatron.core.checkpoint_formats import CheckpointFormatError, get_family  # noqa: E402
+from megatron.core.checkpoint_formats import get_family  # noqa: E402
+from megatron.core.checkpoint_io import CheckpointIOError  # noqa: E402
 
 LOADERS = ("megatron", "ours", "hf")
 SAVERS = ("ours", "megatron", "torch_dist", "hf")
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     try:
         return convert(opts)
-    except CheckpointFormatError as exc:
+    except CheckpointIOError as exc:  # the checkpoint folder's errors, the formats' among them
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
 

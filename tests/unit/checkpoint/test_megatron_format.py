@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.checkpoint_io import CheckpointIOError
 from megatron.core.checkpoint_formats import (CheckpointFormatError, dims_from_args, load_megatron_file,
                                               merge_tp_pp, read_megatron_checkpoint, write_megatron_checkpoint)
 from megatron.core.checkpoint_formats.optimizer_state import grouped_order
@@ -166,7 +167,7 @@ def test_write_megatron_matches_megatron_layout_and_reads_back(tmp_path):
 
 
 def test_refuses_missing_tracker_and_incomplete_torch_dist(tmp_path):
-    with pytest.raises(CheckpointFormatError, match="latest_checkpointed_iteration.txt"):
+    with pytest.raises(CheckpointIOError, match="latest_checkpointed_iteration.txt"):
         read_megatron_checkpoint(str(tmp_path))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     it = tmp_path / "iter_0000005"

@@ -53,7 +53,7 @@ def test_generate_tool_errors(ckpt, tmp_path):
     base = [sys.executable, os.path.join(ROOT, "tools/generate.py")]
     proc = subprocess.run(base + ["--load", str(tmp_path / "none"), "--prompt", "x"], capture_output=True,
                           text=True, env=_env(), timeout=300)
-    assert proc.returncode == 2 and "no such directory" in proc.stderr
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = subprocess.run(base + ["--load", ckpt, "--prompt", "x", "--top-p", "2"], capture_output=True, text=True,
                           env=_env(), timeout=300)
     assert proc.returncode == 2 and "--top-p must be in [0, 1]" in proc.stderr
