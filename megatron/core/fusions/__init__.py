@@ -9,3 +9,4 @@ from megatron.core.fusions.ops import (bias_dropout_add, bias_gelu, layer_norm, 
                                        scaled_masked_softmax)
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion  # noqa: F401
 from megatron.core.fusions.mlp import bias_gelu_linear  # noqa: F401
+from megatron.core.fusions.interim_llama import apply_rotary_pos_emb, rms_norm, swiglu  # noqa: F401
