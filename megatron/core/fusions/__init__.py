@@ -10,4 +10,3 @@ from megatron.core.fusions.ops import (apply_rotary_pos_emb, bias_dropout_add, b
                                        scaled_masked_softmax, swiglu)
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion  # noqa: F401
 from megatron.core.fusions.mlp import bias_gelu_linear  # noqa: F401
-from megatron.core.fusions.interim_llama import apply_rotary_pos_emb, rms_norm, swiglu  # noqa: F401

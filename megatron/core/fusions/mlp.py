@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions import fp8, ops
-from megatron.core.fusions.interim_llama import swiglu
 from megatron.core.fusions.linear import accumulate_wgrad
 from megatron.core.grad_record import fused_target
 
@@ -32,7 +31,7 @@ def bias_activation(x: torch.Tensor, bias: Optional[torch.Tensor], activation: s
     """``gelu(x + bias)`` or ``swiglu(x + bias)`` (with autograd)."""
     if activation == "gelu":
         return ops.bias_gelu(x, bias, use_fused=fused)
-    return swiglu(x if bias is None else x + bias, use_fused=fused)
+    return ops.bias_swiglu(x, bias, use_fused=fused)
 
 
 def _act_forward(x: torch.Tensor, bias: Optional[torch.Tensor], activation: str, fused: bool) -> torch.Tensor:

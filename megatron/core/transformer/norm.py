@@ -12,13 +12,15 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from megatron.core.fusions import layer_norm, layer_norm_with_residual, rms_norm
+from megatron.core.fusions import layer_norm, layer_norm_with_residual, rms_norm, rms_norm_with_residual
 from megatron.core.parallel_state import default_device
 from megatron.core.transformer.config import TransformerConfig
 
 
 class Norm(nn.Module):
-    """The parameters and options both norms share; ``size``: the normalized dimension (default hidden size)."""
+    """The parameters and options both norms share; ``size``: the normalized dimension (default hidden size).
+    Each norm has ``forward(x)`` and ``with_residual(x) -> (norm(x), x)``, the second output for the residual
+    branch (its gradient is added inside the fused backward)."""
 
     has_bias = True
 
@@ -35,10 +37,6 @@ class Norm(nn.Module):
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.use_fused = config.use_fused_kernels and config.layernorm_fusion
-
-    def with_residual(self, x: torch.Tensor):
-        """``(self(x), x)``; use the second for the residual branch."""
-        return self(x), x
 
 
 class LayerNorm(Norm):
@@ -61,6 +59,10 @@ class RMSNorm(Norm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma, use_fused=self.use_fused)
+
+    def with_residual(self, x: torch.Tensor):
+        """``(self(x), x)``, the residual's gradient added inside the fused backward."""
+        return rms_norm_with_residual(x, self.weight, self.eps, self.zero_centered_gamma, use_fused=self.use_fused)
 
 
 def build_norm(config: TransformerConfig, size: Optional[int] = None, grads_partial_over_tp: bool = False) -> Norm:
