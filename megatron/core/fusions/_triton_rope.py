@@ -1,7 +1,8 @@
 """Triton rotary position embedding, forward and backward, for ``t [s, b, n, d]`` and angles ``[s, 1, 1, rot]``.
 
 One pass over ``t``: each program rotates ``BLOCK_M`` rows (one row = one head of one token) and copies their
-channels beyond ``rot`` unchanged. The cosines and sines of the ``[s, rot]`` angles are computed once per call by
+channels beyond ``rot`` unchanged. ``t`` may be a strided view (the query or key slice of a fused QKV output)
+as long as its channels are contiguous: it is read in place, not copied first; the output is contiguous. The cosines and sines of the ``[s, rot]`` angles are computed once per call by
 PyTorch (``s * rot`` values, ``b * n`` times fewer than ``t``), so they are exactly the reference's, also for the
 large angles of long sequences where the GPU's fast sine loses accuracy; the kernel computes in fp32 and writes
 ``t``'s dtype.
@@ -25,11 +26,11 @@ ROPE_CONFIG = {"block_m": 8, "num_warps": 4}
 
 
 @triton.jit
-def _rope_kernel(T, COS, SIN, OUT, M, ROWS_PER_POS, D, ROT, HALF, PASS, INTERLEAVED: tl.constexpr,
+def _rope_kernel(T, COS, SIN, OUT, M, B, N, STRIDE_S, STRIDE_B, STRIDE_N, D, ROT, HALF, INTERLEAVED: tl.constexpr,
                  BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row = (position, batch, head), heads innermost
     rmask = rows < M
-    pos = rows // ROWS_PER_POS
+    pos = rows // (B * N)
     i = tl.arange(0, BLOCK_H)
     if INTERLEAVED:
         c1_idx = 2 * i
@@ -38,10 +39,12 @@ def _rope_kernel(T, COS, SIN, OUT, M, ROWS_PER_POS, D, ROT, HALF, PASS, INTERLEA
         c1_idx = i
         c2_idx = i + HALF
     mask = rmask[:, None] & (i < HALF)[None, :]
-    base = rows.to(tl.int64)[:, None] * D
+    r64 = rows.to(tl.int64)
+    src = (pos.to(tl.int64) * STRIDE_S + (r64 // N % B) * STRIDE_B + (r64 % N) * STRIDE_N)[:, None]
+    base = r64[:, None] * D
     fbase = pos.to(tl.int64)[:, None] * ROT
-    x1 = tl.load(T + base + c1_idx[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(T + base + c2_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(T + src + c1_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(T + src + c2_idx[None, :], mask=mask, other=0.0).to(tl.float32)
     cos1 = tl.load(COS + fbase + c1_idx[None, :], mask=mask, other=0.0)
     cos2 = tl.load(COS + fbase + c2_idx[None, :], mask=mask, other=0.0)
     sin1 = tl.load(SIN + fbase + c1_idx[None, :], mask=mask, other=0.0)
@@ -55,7 +58,7 @@ def _rope_kernel(T, COS, SIN, OUT, M, ROWS_PER_POS, D, ROT, HALF, PASS, INTERLEA
     if BLOCK_P > 0:  # the channels beyond the rotary dimension pass through
         p = ROT + tl.arange(0, BLOCK_P)
         pmask = rmask[:, None] & (p < D)[None, :]
-        tl.store(OUT + base + p[None, :], tl.load(T + base + p[None, :], mask=pmask, other=0.0), mask=pmask)
+        tl.store(OUT + base + p[None, :], tl.load(T + src + p[None, :], mask=pmask, other=0.0), mask=pmask)
 
 
 def triton_rope_supported(t: torch.Tensor, freqs: torch.Tensor) -> bool:
@@ -66,14 +69,16 @@ def triton_rope_supported(t: torch.Tensor, freqs: torch.Tensor) -> bool:
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, backward: bool) -> torch.Tensor:
-    t = t.contiguous()
+    if t.stride(-1) != 1:
+        t = t.contiguous()
     s, b, n, d = t.shape
     rot = cos.shape[-1]
-    out = torch.empty_like(t)
+    out = torch.empty((s, b, n, d), dtype=t.dtype, device=t.device)
     m = s * b * n
     block_m, warps = ROPE_CONFIG["block_m"], ROPE_CONFIG["num_warps"]
     _rope_kernel[(triton.cdiv(m, block_m),)](
-        t, cos, sin, out, m, b * n, d, rot, rot // 2, d - rot, INTERLEAVED=bool(interleaved), BACKWARD=backward,
+        t, cos, sin, out, m, b, n, t.stride(0), t.stride(1), t.stride(2), d, rot, rot // 2,
+        INTERLEAVED=bool(interleaved), BACKWARD=backward,
         BLOCK_M=block_m, BLOCK_H=triton.next_power_of_2(rot // 2),
         BLOCK_P=triton.next_power_of_2(d - rot) if d > rot else 0, num_warps=warps)
     return out

@@ -83,6 +83,12 @@ def test_rope_kernel(interleaved, dtype, d, rot):
     torch.testing.assert_close(ya[..., rot:], t[..., rot:], atol=0, rtol=0)
     for ga, gb in grads:
         torch.testing.assert_close(ga, gb, **TOL[dtype])
+    # a strided view (the key slice of a fused [s, b, n, 3d] QKV) is read in place
+    qkv = torch.randn(s, b, n, 3 * d, generator=g).to(dtype)
+    k = qkv[..., d:2 * d]
+    got = trope.RotaryFunction.apply(k, freqs, interleaved)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, ops.apply_rotary_pos_emb_reference(k, freqs, interleaved), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
