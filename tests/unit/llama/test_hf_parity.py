@@ -4,7 +4,7 @@ MistralForCausalLM (fp32 logits to 1e-5), through the weight mapping in both dir
 import pytest
 import torch
 
-from megatron.core.checkpoint_formats.hf_llama import from_hf_llama, to_hf_llama
+from megatron.core.checkpoint_formats.hf_llama_weights import from_hf_llama, to_hf_llama
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState

@@ -1,5 +1,5 @@
 """Hugging Face Llama-family weights (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) <-> our
-full GPT state dict with the Llama options.
+full GPT state dict with the Llama options (the weights only: the configuration's mapping is a separate concern).
 
 ``spec`` is the model's description: any object with the attributes ``num_layers``, ``num_attention_heads``,
 ``num_query_groups``, ``kv_channels``, ``gated_linear_unit``, ``normalization``, ``add_bias_linear``,
