@@ -12,6 +12,7 @@ import argparse
 from typing import List, Optional, Tuple
 
 from megatron.core.planner.shapes import Cluster, Layout, ModelShape
+from megatron.core.planner.timing import calibrated_gpu_memory_gb, load_calibration
 
 GPT2_VOCAB = 50257
 BERT_VOCAB = 30522
@@ -88,6 +89,9 @@ def add_layout_arguments(p: argparse.ArgumentParser, for_search: bool) -> None:
                    help="adam (default) keeps two fp32 moments per parameter, sgd one momentum")
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="replay each iteration from a CUDA graph (1 GPU): the host's launch work is not paid")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="unfused bias-dropout-add: PyTorch's dropout keeps two 1-byte masks per layer (the fused "
+                        "kernel regenerates them)")
     g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash", "cudnn", "unfused", "auto"],
                    help="sdpa (default), flash, cudnn and auto keep no s x s scores; unfused keeps them")
 
@@ -98,8 +102,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser, num_gpus_required: bool) -
                    help="GPUs in the job (= TP x PP x DP)")
     g.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs per node (default 8; collectives beyond it cross nodes)")
-    g.add_argument("--gpu-memory-gb", type=float, default=141.0,
-                   help="memory per GPU in GB (1e9 bytes, as quoted by vendors; default 141 = H200, H100: 80)")
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory per GPU in GB (1e9 bytes) as CUDA reports it (default: the calibration's, measured "
+                        "by --calibrate; H200: 150.11 = 139.8 GiB)")
     g.add_argument("--gpu-kind", default="h200",
                    help="calibration of the time model: a shipped kind (default h200) or a JSON file from --calibrate")
 
@@ -130,6 +135,7 @@ def layout_switches(args: argparse.Namespace) -> dict:
                 overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                 cross_entropy_fusion=args.cross_entropy_loss_fusion, optimizer=args.optimizer,
                 recompute_modules=tuple(args.recompute_modules), cuda_graph=args.enable_cuda_graph,
+                bias_dropout_fusion=args.bias_dropout_fusion,
                 attention_backend="sdpa" if args.attention_backend in ("auto", "flash", "cudnn") else
                 args.attention_backend)
 
@@ -145,14 +151,18 @@ def layout_from_args(args: argparse.Namespace, num_gpus: int) -> Layout:
                   precision=precision_of(args), **layout_switches(args))
 
 
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    return Cluster(num_gpus=args.num_gpus, gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node,
+def cluster_from_args(args: argparse.Namespace, calibration: dict) -> Cluster:
+    memory = args.gpu_memory_gb if args.gpu_memory_gb is not None else calibrated_gpu_memory_gb(calibration)
+    return Cluster(num_gpus=args.num_gpus, gpu_memory_gb=memory, gpus_per_node=args.gpus_per_node,
                    gpu_kind=args.gpu_kind)
 
 
-def inputs_from_argv(argv: List[str], num_gpus: int, gpu_memory_gb: float = 141.0, gpus_per_node: int = 8,
+def inputs_from_argv(argv: List[str], num_gpus: int, gpu_memory_gb: Optional[float] = None, gpus_per_node: int = 8,
                      gpu_kind: str = "h200") -> Tuple[ModelShape, Layout, Cluster, int]:
-    """Planner inputs for a trainer command line run on ``num_gpus`` GPUs (unknown flags ignored)."""
+    """Planner inputs for a trainer command line run on ``num_gpus`` GPUs (unknown flags ignored); the memory per
+    GPU defaults to the ``gpu_kind`` calibration's (``timing.calibrated_gpu_memory_gb``)."""
+    if gpu_memory_gb is None:
+        gpu_memory_gb = calibrated_gpu_memory_gb(load_calibration(gpu_kind))
     p = argparse.ArgumentParser(add_help=False)
     add_model_arguments(p)
     add_layout_arguments(p, for_search=False)
@@ -203,4 +213,6 @@ def planner_argv(trainer: argparse.Namespace, vocab_size: Optional[int] = None) 
                        ("--enable-cuda-graph", "enable_cuda_graph")):
         if getattr(t, name, False):
             argv.append(flag)
+    if not getattr(t, "bias_dropout_fusion", True):
+        argv.append("--no-bias-dropout-fusion")
     return argv
