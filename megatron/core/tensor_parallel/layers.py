@@ -9,8 +9,8 @@ slice, which it finds from the parameter's ``tp_sharding`` (``sharding.TPShardin
 
 | parameter                      | tp_sharding                          | sequence_parallel        |
 |--------------------------------|--------------------------------------|--------------------------|
-| ColumnParallelLinear.weight    | TPSharding(0, blocks, unit)          |                          |
-| ColumnParallelLinear.bias      | TPSharding(0, blocks, unit)          |                          |
+| ColumnParallelLinear.weight    | output_sharding (TPSharding(0))      |                          |
+| ColumnParallelLinear.bias      | output_sharding (TPSharding(0))      |                          |
 | RowParallelLinear.weight       | TPSharding(1)                        |                          |
 | RowParallelLinear.bias         | None (replicated)                    | config.sequence_parallel |
 | VocabParallelEmbedding.weight  | TPSharding(0)                        |                          |
@@ -172,9 +172,9 @@ class ColumnParallelLinear(nn.Module):
     (``_SequenceParallelColumnLinear``, as Korthikanti et al. 2022 and Megatron-Core do). FP8 GEMMs
     (``config.fp8``) keep their own FP8 copy of the gathered input instead (1 byte per element of ``[s, b, in]``).
 
-    ``partition_blocks`` and ``partition_unit`` declare how the output features are split (``TPSharding``): the
-    default is a contiguous slice; ``partition_blocks=2`` gives each rank its slice of both halves of a fused
-    ``[gate; up]`` output, ``partition_unit`` keeps that many output rows together (a query group's QKV rows).
+    ``output_sharding`` declares how the output features are split (a ``TPSharding`` along dimension 0): the
+    default is a contiguous slice; ``sharding.fc1_sharding(True)`` gives each rank its slice of both halves of a
+    fused ``[gate; up]`` output, ``sharding.qkv_sharding`` keeps each query group's QKV rows on one rank.
     """
 
     def __init__(
@@ -188,8 +188,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
-        partition_blocks: int = 1,
-        partition_unit: int = 1,
+        output_sharding: Optional[TPSharding] = None,
     ):
         super().__init__()
         config = LinearConfig.of(config)
@@ -198,8 +197,10 @@ class ColumnParallelLinear(nn.Module):
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.output_size_per_partition = _divide(output_size, pstate.tp_size, "output size of a column-parallel linear")
-        TPSharding(0, partition_blocks, partition_unit).check(output_size, pstate.tp_size,
-                                                              "output size of a column-parallel linear")
+        sharding = output_sharding or TPSharding(0)
+        if sharding.dim != 0:
+            raise ValueError(f"ColumnParallelLinear: its output features are dimension 0, got {sharding}")
+        sharding.check(output_size, pstate.tp_size, "output size of a column-parallel linear")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
         if config.sequence_parallel and gather_output:
@@ -209,10 +210,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("weight", None)
         else:
             self.weight = _empty((self.output_size_per_partition, input_size), config)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, partition_blocks, partition_unit)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, sharding.blocks, sharding.unit)
         if bias:
             self.bias = _empty((self.output_size_per_partition,), config)
-            set_tensor_model_parallel_attributes(self.bias, True, 0, partition_blocks, partition_unit)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, sharding.blocks, sharding.unit)
         else:
             self.register_parameter("bias", None)
 
