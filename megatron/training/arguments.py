@@ -23,7 +23,7 @@ SUPPORTED_CHOICES = {
     "position_embedding_type": ("--position-embedding-type", ("learned_absolute",)),
     "normalization": ("--normalization", ("LayerNorm",)),
     "transformer_impl": ("--transformer-impl", ("local",)),
-    "ckpt_format": ("--ckpt-format", ("torch",)),
+    "ckpt_format": ("--ckpt-format", ("torch", "torch_dist")),
 }
 
 
@@ -146,6 +146,11 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
         if getattr(ns, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if ns.ckpt_format == "torch_dist" and (tp, pp, ns.virtual_pipeline_model_parallel_size or 1) != (1, 1, 1):
+        _fail(f"--ckpt-format torch_dist is written by runs of TP=1 and PP=1 (this run: TP={tp}, PP={pp}); save "
+              "in the default format and convert it with tools/checkpoint/convert.py --saver torch_dist")
+    if ns.ckpt_format == "torch_dist" and ns.ckpt_layout == "megatron":
+        _fail("give only one of --ckpt-format torch_dist and --ckpt-layout megatron")
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         if ns.virtual_pipeline_model_parallel_size is not None:
             _fail("give only one of --num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size")
