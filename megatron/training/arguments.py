@@ -116,7 +116,7 @@ def _check_model(ns: argparse.Namespace, tp: int) -> None:
 
     try:
         cfg = transformer_config(section_from_namespace(ModelConfig, ns), section_from_namespace(PrecisionConfig, ns),
-                                 ns.sequence_parallel, padded_vocab_size=0, check_layers=False)
+                                 ns.sequence_parallel, padded_vocab_size=0)
         cfg.check_tensor_parallel(tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -92,7 +92,6 @@ def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
     try:
         config = TransformerConfig.from_spec(spec, attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
                                              attention_backend=attention_backend, gradient_accumulation_fusion=False)
-        config.check_layer_support()
         return config
     except ValueError as exc:
         raise CheckpointLoadError(f"the stored model: {exc}") from None
