@@ -166,7 +166,9 @@ def dims_from_spec(spec: ModelSpec, padded_vocab_size: Optional[int] = None, voc
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         seq_length=spec.seq_length if seq_length is None else seq_length, layernorm_epsilon=spec.layernorm_epsilon,
         apply_layernorm_1p=spec.layernorm_zero_centered_gamma,
-        tied_embeddings=spec.share_embeddings_and_output_weights, params_dtype=params_dtype)
+        tied_embeddings=spec.share_embeddings_and_output_weights, params_dtype=params_dtype,
+        num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels,
+        gated_linear_unit=spec.gated_linear_unit)
 
 
 def spec_of_dims(dims: ModelDims, **options) -> ModelSpec:
