@@ -195,12 +195,14 @@ def megatron_model_state(chunk: Dict[str, torch.Tensor], family: ModelFamily) ->
     ordered = to_family_order(chunk, family, megatron=True)
     out: Dict[str, Any] = {}
     extra_layer = set(family.megatron_extra_state_layer)
-    for name, value in ordered.items():
+    names = list(ordered)
+    for i, (name, value) in enumerate(ordered.items()):
         out[name] = value
         index, rel = family.split_layer_name(name)
-        module = rel.rsplit(".", 1)[0]
-        if name.endswith(".bias") and (module in extra_layer if index is not None else False):
-            out[name[: -len("bias")] + "_extra_state"] = None
+        module = name.rsplit(".", 1)[0]
+        last_of_module = i + 1 == len(names) or names[i + 1].rsplit(".", 1)[0] != module  # bias, or weight alone
+        if index is not None and last_of_module and rel.rsplit(".", 1)[0] in extra_layer:
+            out[module + "._extra_state"] = None
     last = any(n in family.last_stage for n in ordered)
     if last:
         for module in family.megatron_extra_state_global:

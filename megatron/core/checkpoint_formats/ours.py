@@ -87,8 +87,8 @@ def our_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int) -> Dict[st
                layernorm_epsilon=dims.layernorm_epsilon, apply_layernorm_1p=dims.apply_layernorm_1p,
                untie_embeddings_and_output_weights=not dims.tied_embeddings, params_dtype=dims.params_dtype,
                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if dims.vocab_size is not None:
-        out["vocab_size"] = dims.vocab_size
+    if dims.vocab_size is not None and out.get("tokenizer_type") != "NullTokenizer":
+        out["vocab_size"] = dims.vocab_size  # (NullTokenizer's --vocab-size excludes its end-of-document row)
     return out
 
 
