@@ -5,7 +5,8 @@
         --target-pipeline-parallel-size 2 --reshard-optimizer
 
 Loaders: ``megatron`` (Megatron-LM legacy torch format, read through an allowlist, never executing code),
-``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2; for BERT ``BertForPreTraining`` post-LN or
+``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2 or, by ``config.json``'s ``model_type``,
+``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``; for BERT ``BertForPreTraining`` post-LN or
 ``MegatronBertForPreTraining`` pre-LN). Savers: ``ours``, ``megatron`` (any target TP/PP;
 ``--reshard-optimizer`` carries optimizer, scheduler and, when the layout is unchanged, RNG state) and ``hf``.
 Prints what it converted; refuses shapes and options it does not understand, naming them. See docs/checkpoints.md.

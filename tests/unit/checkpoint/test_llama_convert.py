@@ -156,3 +156,8 @@ def test_configurations_the_model_cannot_hold_are_one_line(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1
     assert "config.json: sliding_window 16 is not supported" in err
     assert not (tmp_path / "out").exists()
+    # two query groups do not split over four tensor-parallel ranks (Megatron keeps each group whole)
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir", MCORE,
+                      "--save-dir", str(tmp_path / "tp4"), "--target-tensor-parallel-size", "4")
+    assert rc == 2 and err.count("\n") == 1 and "--target-tensor-parallel-size 4" in err and "linear_qkv" in err
+    assert not (tmp_path / "tp4").exists()
