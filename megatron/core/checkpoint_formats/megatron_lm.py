@@ -22,8 +22,9 @@ import torch
 
 from megatron.core.checkpoint_formats import optimizer_state as optim
 from megatron.core.checkpoint_formats.common import (FILE, SPEC_KEY, LoadedCheckpoint, atomic_save, chunk_keys,
-                                                     model_chunks, rank_dir, rank_files, read_tracker, spec_from_saved,
-                                                     to_family_order, write_tracker)
+                                                     model_chunks, rank_dir, rank_files, read_tracker,
+                                                     saved_vocab_size, spec_from_saved, to_family_order,
+                                                     write_tracker)
 from megatron.core.checkpoint_formats.distrib_optim import (distributed_optimizer_groups, hyper_from_distributed,
                                                              own_bucket_names, read_distrib_optim,
                                                              write_distrib_optim)
@@ -256,6 +257,8 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
         params_dtype=_DTYPES.get(dims.params_dtype, torch.float32), bf16=dims.params_dtype == "bfloat16",
         fp16=dims.params_dtype == "float16", ckpt_format="torch", use_dist_ckpt=False,
         use_distributed_optimizer=distributed_optimizer)
+    if dims.vocab_size is not None:
+        plain["vocab_size"] = saved_vocab_size(plain, dims)
     plain.update(extra)
     return argparse.Namespace(**plain)
 

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MCORE = os.path.join(HERE, "fixtures", "megatron_llama_tp2")
+MCORE_DIST = os.path.join(HERE, "fixtures", "megatron_llama_tp2_dist")  # the same weights, Megatron-Core's torch_dist
 VOCAB = 100
 ROPE_LLAMA31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -117,6 +118,24 @@ def test_megatron_core_checkpoint_gives_its_logits_and_reshards_back_to_its_file
                 assert torch.equal(written["model"][name], value), name
         for key in record["args_checked"]:
             assert getattr(written["args"], key) == getattr(theirs["args"], key), key
+
+
+def test_megatron_core_torch_dist_checkpoint_gives_its_logits(tmp_path, capsys):
+    """Megatron-Core's ``torch_dist`` files of the same TP-2 model (layers stacked, its global ``[gate; up]``) give
+    the legacy files' weights exactly and Megatron-Core's logits, through the converter and through ``--load``."""
+    golden = torch.load(os.path.join(MCORE, "golden.pt"), weights_only=True)
+    for src, dst in ((MCORE_DIST, "from_dist"), (MCORE, "from_legacy")):
+        rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir", src,
+                          "--save-dir", str(tmp_path / dst), "--target-tensor-parallel-size", "1")
+        assert rc == 0, err
+    dist_sd = load_gpt_for_inference(str(tmp_path / "from_dist")).model.state_dict()
+    legacy_sd = load_gpt_for_inference(str(tmp_path / "from_legacy")).model.state_dict()
+    assert list(dist_sd) == list(legacy_sd)
+    for name, value in legacy_sd.items():
+        assert torch.equal(dist_sd[name], value), name
+    for load_dir in (str(tmp_path / "from_dist"), MCORE_DIST):
+        torch.testing.assert_close(_our_logits(load_dir, golden["tokens"]), golden["logits"][..., :VOCAB],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_trained_llama_checkpoint_in_megatron_layout_exports_to_hugging_face(tmp_path, capsys):
