@@ -1,7 +1,7 @@
 """Which parallel layouts fit a model on a cluster, how much memory each needs, and how fast it runs.
 
     python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \\
-        --global-batch-size 512 --num-gpus 8 --gpu-memory-gb 141
+        --global-batch-size 512 --num-gpus 8
 
 lists the layouts that fit, fastest first: TP, PP, virtual stages, DP, sequence parallelism, distributed
 optimizer, recomputation, micro-batch and bf16/FP8, each with the predicted peak memory of its heaviest pipeline
@@ -119,7 +119,7 @@ def _space(args) -> SearchSpace:
         _ints(args.micro_batch_sizes, "--micro-batch-sizes"),
         precisions=precisions, recompute=rec if not args.recompute_granularity else ["none"],
         distributed_optimizer=[True] if args.use_distributed_optimizer else [False, True],
-        sequence_parallel=[True])
+        sequence_parallel=[True] if args.sequence_parallel else [False, True])
 
 
 def _calibrate(args) -> int:
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
             raise ValueError("--global-batch-size is required")
         calibration = load_calibration(args.calibration or args.gpu_kind)
         shape = model_shape(args, args.model)
-        cluster = cluster_from_args(args)
+        cluster = cluster_from_args(args, calibration)
         base = layout_switches(args)
         if args.recompute_granularity:
             base.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,

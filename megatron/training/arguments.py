@@ -22,7 +22,7 @@ from megatron.training.parser import build_parser
 # Megatron-LM values of implemented flags that are refused by name: flag -> supported values
 SUPPORTED_CHOICES = {
     "transformer_impl": ("--transformer-impl", ("local",)),
-    "ckpt_format": ("--ckpt-format", ("torch",)),
+    "ckpt_format": ("--ckpt-format", ("torch", "torch_dist")),
 }
 
 
@@ -110,8 +110,7 @@ def _check_fp8(ns: argparse.Namespace, tp: int) -> None:
 
 
 def _check_model(ns: argparse.Namespace, tp: int) -> None:
-    """Model-shape checks live in the library's ModelSpec and TransformerConfig; build one to run them (which
-    options the layers build is checked when the model is built, so --dry-run can plan any model)."""
+    """Model-shape checks live in the library's ModelSpec and TransformerConfig; build one to run them."""
     from megatron.training.config import ModelConfig, PrecisionConfig, section_from_namespace, transformer_config
 
     try:
@@ -152,6 +151,11 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
         if getattr(ns, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if ns.ckpt_format == "torch_dist" and (tp, pp, ns.virtual_pipeline_model_parallel_size or 1) != (1, 1, 1):
+        _fail(f"--ckpt-format torch_dist is written by runs of TP=1 and PP=1 (this run: TP={tp}, PP={pp}); save "
+              "in the default format and convert it with tools/checkpoint/convert.py --saver torch_dist")
+    if ns.ckpt_format == "torch_dist" and ns.ckpt_layout == "megatron":
+        _fail("give only one of --ckpt-format torch_dist and --ckpt-layout megatron")
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         if ns.virtual_pipeline_model_parallel_size is not None:
             _fail("give only one of --num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size")

@@ -172,6 +172,7 @@ class CheckpointConfig:
     ckpt_fallback_on_corruption: bool
     keep_last_checkpoints: Optional[int]
     ckpt_layout: str = "ours"  # "megatron": --save writes Megatron-LM's legacy layout
+    ckpt_format: str = "torch"  # "torch_dist": --save writes Megatron-LM's torch_dist layout
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ def _report(ns: argparse.Namespace, num_gpus: int, model: str, vocab_size: Optio
             gpu_memory_gb: Optional[float] = None, gpus_per_node: int = 8, gpu_kind: str = "h200",
             calibration: Optional[str] = None) -> Tuple[str, bool]:
     from megatron.core.planner import format_prediction, load_calibration, predict
+    from megatron.core.planner.timing import calibrated_gpu_memory_gb
     from megatron.training.plan_inputs import inputs_from_namespace
 
     cal = load_calibration(calibration or gpu_kind)
-    memory = gpu_memory_gb if gpu_memory_gb is not None else float(cal.get("gpu_memory_gb", 141.0))
+    memory = gpu_memory_gb if gpu_memory_gb is not None else calibrated_gpu_memory_gb(cal)
     shape, layout, cluster, gbs = inputs_from_namespace(ns, num_gpus, model, vocab_size, memory, gpus_per_node,
                                                         gpu_kind)
     pred = predict(shape, layout, cluster, cal, gbs)
@@ -39,7 +40,7 @@ def dry_run(argv: Sequence[str], num_gpus: int, model: str = "gpt", gpu_memory_g
             gpus_per_node: int = 8, gpu_kind: str = "h200", calibration: Optional[str] = None) -> Tuple[str, bool]:
     """``(report, fits)`` for the trainer flags ``argv`` on ``num_gpus`` GPUs, read by the trainer's parser without
     the checks of a training run (no --lr or data needed). ``gpu_memory_gb`` defaults to the calibration's
-    ``gpu_memory_gb`` (141 for the shipped H200 file); ``model`` is ``bert`` for ``pretrain_bert.py``."""
+    (``timing.calibrated_gpu_memory_gb``); ``model`` is ``bert`` for ``pretrain_bert.py``."""
     from megatron.training.plan_inputs import parse_planner_argv
 
     ns = parse_planner_argv(argv)

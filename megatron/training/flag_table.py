@@ -328,7 +328,7 @@ REFUSED_OTHER = ("a Megatron-LM option this framework does not implement", "the 
 DEFAULT_DIFFERENCES: Dict[str, str] = {
     "--distributed-backend": "Megatron-LM: nccl; here nccl on GPUs and gloo on CPU-only machines",
     "--recompute-modules": "Megatron-LM: core_attn; here also mlp_act (the GeLU output is cheap to recompute)",
-    "--ckpt-format": "Megatron-LM: torch_dist; here torch, the only format",
+    "--ckpt-format": "Megatron-LM: torch_dist; here torch (torch_dist for runs of TP=1, PP=1)",
     "--split": "Megatron-LM (2024 on): none; here 969, 30, 1 (Megatron-LM's older default)",
     "--tokenizer-type": "Megatron-LM: none (required); here GPT2BPETokenizer",
     "--fp8-recipe": "Megatron-LM: delayed; here tensorwise (current scaling needs no history to be right)",

@@ -209,7 +209,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
                    help="take the model-shape flags left off the command line from the --load checkpoint")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop with an error when --load holds no checkpoint (instead of starting from scratch)")
-    g.add_argument("--ckpt-format", default="torch", help="checkpoint format: torch (the only format)")
+    g.add_argument("--ckpt-format", default="torch",
+                   help="what --save writes: torch (the --ckpt-layout files) or torch_dist (Megatron-LM's "
+                        "distributed checkpoint, which Megatron-LM resumes; runs of TP=1, PP=1); --load reads both")
     g.add_argument("--ckpt-layout", choices=("ours", "megatron"), default="ours",
                    help="what --save writes: ours (plain types, loads with weights_only=True) or megatron "
                         "(Megatron-LM's legacy --ckpt-format torch files, which Megatron-LM can resume); --load "

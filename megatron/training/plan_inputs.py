@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from megatron.core.model_spec import spec_from_args
 from megatron.core.planner.shapes import Cluster, Layout, ModelShape
+from megatron.core.planner.timing import calibrated_gpu_memory_gb, load_calibration
 from megatron.training.arguments import ATTENTION_BACKENDS, CHECKPOINT_ARGS, make_parser
 from megatron.training.bert_section import BERT
 from megatron.training.flag_table import rewrite_argv
@@ -33,8 +34,9 @@ def add_planner_arguments(p: argparse.ArgumentParser, num_gpus_required: bool) -
                    help="GPUs in the job (= TP x PP x DP)")
     g.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs per node (default 8; collectives beyond it cross nodes)")
-    g.add_argument("--gpu-memory-gb", type=float, default=141.0,
-                   help="memory per GPU in GB (1e9 bytes, as quoted by vendors; default 141 = H200, H100: 80)")
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory per GPU in GB (1e9 bytes) as CUDA reports it (default: the calibration's, measured "
+                        "by --calibrate; H200: 150.11 = 139.8 GiB)")
     g.add_argument("--gpu-kind", default="h200",
                    help="calibration of the time model: a shipped kind (default h200) or a JSON file from --calibrate")
 
@@ -107,7 +109,7 @@ def layout_switches(ns: argparse.Namespace) -> dict:
                 overlap_grad_reduce=ns.overlap_grad_reduce, overlap_param_gather=ns.overlap_param_gather,
                 cross_entropy_fusion=ns.cross_entropy_loss_fusion, optimizer=ns.optimizer,
                 recompute_modules=tuple(ns.recompute_modules), cuda_graph=ns.enable_cuda_graph,
-                attention_backend="unfused" if ns.attention_backend == "unfused" else "sdpa")
+                bias_dropout_fusion=ns.bias_dropout_fusion, attention_backend="unfused" if ns.attention_backend == "unfused" else "sdpa")
 
 
 def layout_from_args(ns: argparse.Namespace, num_gpus: int) -> Layout:
@@ -124,15 +126,18 @@ def layout_from_args(ns: argparse.Namespace, num_gpus: int) -> Layout:
                   precision=precision_of(ns), **layout_switches(ns))
 
 
-def cluster_from_args(ns: argparse.Namespace) -> Cluster:
-    return Cluster(num_gpus=ns.num_gpus, gpu_memory_gb=ns.gpu_memory_gb, gpus_per_node=ns.gpus_per_node,
-                   gpu_kind=ns.gpu_kind)
+def cluster_from_args(ns: argparse.Namespace, calibration: dict) -> Cluster:
+    memory = ns.gpu_memory_gb if ns.gpu_memory_gb is not None else calibrated_gpu_memory_gb(calibration)
+    return Cluster(num_gpus=ns.num_gpus, gpu_memory_gb=memory, gpus_per_node=ns.gpus_per_node, gpu_kind=ns.gpu_kind)
 
 
 def inputs_from_namespace(ns: argparse.Namespace, num_gpus: int, model: str = "gpt",
-                          vocab_size: Optional[int] = None, gpu_memory_gb: float = 141.0, gpus_per_node: int = 8,
-                          gpu_kind: str = "h200") -> Tuple[ModelShape, Layout, Cluster, int]:
-    """``(ModelShape, Layout, Cluster, global batch)`` of the trainer's flags ``ns`` run on ``num_gpus`` GPUs."""
+                          vocab_size: Optional[int] = None, gpu_memory_gb: Optional[float] = None,
+                          gpus_per_node: int = 8, gpu_kind: str = "h200") -> Tuple[ModelShape, Layout, Cluster, int]:
+    """``(ModelShape, Layout, Cluster, global batch)`` of the trainer's flags ``ns`` run on ``num_gpus`` GPUs; the
+    memory per GPU defaults to the ``gpu_kind`` calibration's (``timing.calibrated_gpu_memory_gb``)."""
+    if gpu_memory_gb is None:
+        gpu_memory_gb = calibrated_gpu_memory_gb(load_calibration(gpu_kind))
     cluster = Cluster(num_gpus=num_gpus, gpu_memory_gb=gpu_memory_gb, gpus_per_node=gpus_per_node, gpu_kind=gpu_kind)
     gbs = ns.global_batch_size
     if gbs is None:

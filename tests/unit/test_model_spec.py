@@ -92,7 +92,7 @@ def test_the_llama3_flag_block_parses_into_the_llama_spec():
     # --swiglu without --ffn-hidden-size: Megatron-LM's 2/3 x 4h rounded down to a multiple of 64
     cfg, _ = parse_config(LLAMA_1B + [f for f in LLAMA3_BLOCK if f not in ("--ffn-hidden-size", "8192")] + RUN)
     assert cfg.model.spec(128256).ffn_hidden_size == 5440
-    # the trainer's layer configuration carries the spec as parsed
+    # the trainer's transformer configuration is that spec plus the runtime switches
     assert transformer_config(cfg.model, cfg.precision, False, 128256).spec == cfg.model.spec(128256)
     # --multi-query-attention is Megatron-LM's older spelling of one query group
     cfg, notes = parse_config(LLAMA_1B[:8] + ["--multi-query-attention"] + RUN)
@@ -290,3 +290,19 @@ def test_hugging_face_gpt2_and_bert_configs_round_trip():
         assert spec_from_hf_bert_config({**_hf_config(cls, d).to_dict(), "model_type": d["model_type"]}) == bert
     with pytest.raises(CheckpointFormatError, match="GPT2LMHeadModel cannot hold normalization = RMSNorm"):
         hf_gpt2_config(dataclasses.replace(gpt2, normalization="RMSNorm"), None, None)
+
+
+def test_field_names_and_defaults_are_megatron_cores():
+    """Golden file from Megatron-Core 0.16.1's own classes (generator next to it): every spec field that
+    Megatron-Core's ``TransformerConfig`` or ``GPTModel`` holds has that name and default there; the spec's required
+    sizes and its tied-output default (Megatron-LM's flag default; ``GPTModel``'s argument defaults to untied) aside."""
+    import json
+
+    with open(os.path.join(ROOT, "tests/unit/model_spec_golden/mcore_spec_names.json")) as f:
+        golden = json.load(f)["fields"]
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+    assert list(golden) == list(defaults)  # the golden file covers every field (regenerate it when one is added)
+    held = {n: g for n, g in golden.items() if g is not None}
+    assert len(held) >= 20
+    differ = {n for n, g in held.items() if g["default"] != defaults[n]}
+    assert differ == {"num_layers", "hidden_size", "num_attention_heads", "share_embeddings_and_output_weights"}

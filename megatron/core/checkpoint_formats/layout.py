@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
-from megatron.core.tensor_parallel.sharding import TPSharding
+from megatron.core.tensor_parallel.sharding import TPSharding, fc1_sharding, qkv_sharding
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -96,12 +96,11 @@ class ModelFamily:
         if dim is None:
             return None
         rel = self.split_layer_name(name)[1]
-        if rel.startswith("mlp.linear_fc1.") and dims.gated_linear_unit:
-            return TPSharding(dim, blocks=2)
+        if rel.startswith("mlp.linear_fc1."):
+            return fc1_sharding(dims.gated_linear_unit)
         if rel.startswith("self_attention.linear_qkv."):
-            groups = dims.num_query_groups or dims.num_attention_heads
-            d = dims.kv_channels or dims.hidden_size // dims.num_attention_heads
-            return TPSharding(dim, unit=(dims.num_attention_heads // groups + 2) * d)
+            return qkv_sharding(dims.num_attention_heads, dims.num_query_groups or dims.num_attention_heads,
+                                dims.kv_channels or dims.hidden_size // dims.num_attention_heads)
         return TPSharding(dim)
 
     def split_layer_name(self, name: str) -> Tuple[Optional[int], str]:

@@ -90,7 +90,8 @@ class Layout:
     first/last_stage_layers: ``--decoder-first/last-pipeline-num-layers``; ddp_bucket_size: ``--ddp-bucket-size``;
     overlap_grad_reduce / overlap_param_gather: the ``--overlap-*`` flags; cross_entropy_fusion:
     ``--cross-entropy-loss-fusion``; optimizer: ``--optimizer`` (adam or sgd); cuda_graph: ``--enable-cuda-graph``
-    (the iteration replayed from a CUDA graph: no host floor in the time model).
+    (the iteration replayed from a CUDA graph: no host floor in the time model); bias_dropout_fusion: off with
+    ``--no-bias-dropout-fusion`` (PyTorch's dropout then keeps a 1-byte mask per element; the fused kernel none).
     """
 
     tp: int = 1
@@ -114,6 +115,7 @@ class Layout:
     optimizer: str = "adam"
     attention_backend: str = "sdpa"
     cuda_graph: bool = False
+    bias_dropout_fusion: bool = True
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch_size"):

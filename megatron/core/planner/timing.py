@@ -49,6 +49,17 @@ def load_calibration(kind_or_path: str) -> dict:
     return data
 
 
+def calibrated_gpu_memory_gb(cal: dict) -> float:
+    """The memory per GPU a fit is checked against when ``--gpu-memory-gb`` is not given, in GB (1e9 bytes): the
+    device's total as CUDA reports it (``torch.cuda.mem_get_info``), which ``--calibrate`` stores as
+    ``gpu_memory_gb``. The shipped H200 file holds 150.11 GB = 139.8 GiB (the H200 is sold as "141 GB"); the CUDA
+    context and library workspaces are subtracted by the fit check itself (``outside_allocator_bytes``)."""
+    if "gpu_memory_gb" not in cal:
+        raise ValueError(f"calibration {cal.get('_path', cal.get('gpu_kind', '?'))} has no gpu_memory_gb: give "
+                         "--gpu-memory-gb")
+    return float(cal["gpu_memory_gb"])
+
+
 def dump_calibration(cal: dict, path: str) -> None:
     """Write a calibration as JSON, each innermost list on one line."""
     text = json.dumps({k: v for k, v in cal.items() if not k.startswith("_")}, indent=1)

@@ -64,3 +64,14 @@ class TPSharding:
             return torch.cat(list(shards), dim=self.dim)
         per_rank = [s.chunk(self.blocks, dim=self.dim) for s in shards]
         return torch.cat([per_rank[r][b] for b in range(self.blocks) for r in range(len(shards))], dim=self.dim)
+
+
+def fc1_sharding(gated_linear_unit: bool) -> TPSharding:
+    """The MLP's first linear: ``[gate; up]`` per rank when gated (SwiGLU), else a contiguous slice."""
+    return TPSharding(0, blocks=2 if gated_linear_unit else 1)
+
+
+def qkv_sharding(num_attention_heads: int, num_query_groups: int, kv_channels: int) -> TPSharding:
+    """The grouped QKV linear: a contiguous slice of whole query groups, each ``(n/g + 2) * kv_channels`` rows (its
+    query heads, then its key and its value head)."""
+    return TPSharding(0, unit=(num_attention_heads // num_query_groups + 2) * kv_channels)

@@ -4,7 +4,7 @@
 multi-query attention is ``g = 1``, classic multi-head attention ``g = n``). QKV is one column-parallel GEMM whose
 output rows are laid out per query group as ``[q_1 .. q_{n/g} k v]``, ``kv_channels`` rows each (Megatron-Core's
 ``linear_qkv`` layout; with ``g = n`` the per-head ``[q k v]``), so a contiguous split over TP ranks gives each rank
-whole groups (``TPSharding(0, unit=(n/g + 2) * kv_channels)``; ``g`` must be divisible by TP). The output
+whole groups (``tensor_parallel.sharding.qkv_sharding``; ``g`` must be divisible by TP). The output
 projection is row-parallel: its reduction (``g``) is the only communication in the forward pass.
 
 With ``qk_layernorm`` each head's queries and keys are normalized over the head dimension (``q_layernorm``,
@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core import tensor_parallel
 from megatron.core.fusions import apply_rotary_pos_emb, scaled_masked_softmax
 from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel.sharding import qkv_sharding
 from megatron.core.transformer.config import TransformerConfig
 from megatron.core.transformer.norm import build_norm
 
@@ -114,7 +115,8 @@ class SelfAttention(nn.Module):
         group_rows = (self.heads_per_group + 2) * d  # one query group's [q_1 .. q_{n/g} k v] rows
         self.linear_qkv = tensor_parallel.ColumnParallelLinear(
             h, config.num_query_groups * group_rows, config=config, pstate=pstate,
-            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False, partition_unit=group_rows,
+            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
+            output_sharding=qkv_sharding(config.num_attention_heads, config.num_query_groups, d),
         )
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, d, grads_partial_over_tp=pstate.tp_size > 1)

@@ -8,6 +8,7 @@ import torch.nn as nn
 from megatron.core import tensor_parallel
 from megatron.core.fusions.mlp import bias_activation, bias_activation_linear
 from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel.sharding import fc1_sharding
 from megatron.core.transformer.config import TransformerConfig
 
 
@@ -16,7 +17,7 @@ class MLP(nn.Module):
 
     The activation is the GeLU, or with ``gated_linear_unit`` the SwiGLU: ``linear_fc1`` then produces
     ``2 * ffn`` features, ``[gate; up]`` for the whole model and ``[gate_r; up_r]`` on each TP rank (one GEMM,
-    Megatron-Core's layout, declared by its ``TPSharding(0, blocks=2)``), and the activation is
+    Megatron-Core's layout, declared by ``tensor_parallel.sharding.fc1_sharding``), and the activation is
     ``silu(gate) * up``.
 
     The activation (with ``linear_fc1``'s bias, returned unadded) is fused with ``linear_fc2``'s GEMM where that
@@ -38,7 +39,7 @@ class MLP(nn.Module):
         self.activation = "swiglu" if gated else "gelu"
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size * (2 if gated else 1), config=config, pstate=pstate,
-            bias=config.add_bias_linear, gather_output=False, skip_bias_add=True, partition_blocks=2 if gated else 1,
+            bias=config.add_bias_linear, gather_output=False, skip_bias_add=True, output_sharding=fc1_sharding(gated),
         )
         self.linear_fc2 = tensor_parallel.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, config=config, pstate=pstate, bias=config.add_bias_linear,

@@ -41,8 +41,9 @@ def test_every_configuration_is_predicted_and_covers_the_required_kinds():
     cal = load_calibration("h200")
     for name, entry, gpus, f in bench.CONFIGS + bench.TINY:  # every flag set parses and fits one H200
         extra = " --model bert --vocab-size 30522" if entry == "pretrain_bert.py" else ""
-        shape, layout, cluster, gbs = inputs_from_argv((f + " " + bench.COMMON + extra).split(), num_gpus=gpus)
+        shape, layout, cluster, gbs = inputs_from_argv((bench.full_flags(f) + extra).split(), num_gpus=gpus)
         assert predict(shape, layout, cluster, cal, gbs).fits, name
+        assert (shape.hidden_dropout > 0) == ("dropout" in name), name  # a config's own dropout is kept
 
 
 def test_compare_predicts_each_record_with_every_calibration(tmp_path):
