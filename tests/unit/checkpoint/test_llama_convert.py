@@ -6,14 +6,19 @@ and a checkpoint Megatron-Core's own ``GPTModel`` wrote at TP 2 with its logits
 converter writes, ``megatron_core_loads_ours.json``).
 """
 
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
 
-from megatron.core.checkpoint_formats import load_megatron_file
-from megatron.core.inference.checkpoint import load_gpt_for_inference
+from megatron.core.checkpoint_formats import (GPT, CheckpointFormatError, dims_from_args, load_megatron_file,
+                                              merge_tp_pp, read_megatron_checkpoint, read_our_checkpoint,
+                                              spec_from_saved)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.parallel_state import ParallelState
+from megatron.core.transformer.config import TransformerConfig
 from tests.functional.harness import run_pretrain
 from tests.unit.checkpoint.test_convert import _run
 
@@ -31,10 +36,25 @@ def _tokens(seed: int = 5) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
 
 
+def _our_model(load_dir: str) -> GPTModel:
+    """Our unsharded GPT built from a checkpoint folder's stored model description (ours or Megatron-LM's), with
+    its weights merged from any TP/PP layout and loaded strictly."""
+    try:
+        loaded = read_our_checkpoint(load_dir, load_optim=False, load_rng=False)
+    except CheckpointFormatError:  # Megatron-LM's legacy files or torch_dist
+        loaded = read_megatron_checkpoint(load_dir, load_optim=False, load_rng=False)
+    dims = dims_from_args(loaded.args_dict)
+    full = merge_tp_pp(loaded.model_state_per_rank, GPT, tied=dims.tied_embeddings, dims=dims)
+    spec = dataclasses.replace(spec_from_saved(loaded.args_dict), padded_vocab_size=dims.padded_vocab_size)
+    model = GPTModel(TransformerConfig.from_spec(spec, attention_dropout=0.0, hidden_dropout=0.0),
+                     ParallelState.single())
+    model.load_state_dict(full, strict=True)
+    return model.eval()
+
+
 def _our_logits(load_dir: str, ids: torch.Tensor) -> torch.Tensor:
-    model = load_gpt_for_inference(load_dir).model
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :VOCAB]
+        return _our_model(load_dir)(ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :VOCAB]
 
 
 def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -122,14 +142,14 @@ def test_megatron_core_checkpoint_gives_its_logits_and_reshards_back_to_its_file
 
 def test_megatron_core_torch_dist_checkpoint_gives_its_logits(tmp_path, capsys):
     """Megatron-Core's ``torch_dist`` files of the same TP-2 model (layers stacked, its global ``[gate; up]``) give
-    the legacy files' weights exactly and Megatron-Core's logits, through the converter and through ``--load``."""
+    the legacy files' weights exactly and Megatron-Core's logits."""
     golden = torch.load(os.path.join(MCORE, "golden.pt"), weights_only=True)
     for src, dst in ((MCORE_DIST, "from_dist"), (MCORE, "from_legacy")):
         rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir", src,
                           "--save-dir", str(tmp_path / dst), "--target-tensor-parallel-size", "1")
         assert rc == 0, err
-    dist_sd = load_gpt_for_inference(str(tmp_path / "from_dist")).model.state_dict()
-    legacy_sd = load_gpt_for_inference(str(tmp_path / "from_legacy")).model.state_dict()
+    dist_sd = _our_model(str(tmp_path / "from_dist")).state_dict()
+    legacy_sd = _our_model(str(tmp_path / "from_legacy")).state_dict()
     assert list(dist_sd) == list(legacy_sd)
     for name, value in legacy_sd.items():
         assert torch.equal(dist_sd[name], value), name
