@@ -142,17 +142,24 @@ def test_megatron_core_checkpoint_gives_its_logits_and_reshards_back_to_its_file
 
 def test_megatron_core_torch_dist_checkpoint_gives_its_logits(tmp_path, capsys):
     """Megatron-Core's ``torch_dist`` files of the same TP-2 model (layers stacked, its global ``[gate; up]``) give
-    the legacy files' weights exactly and Megatron-Core's logits."""
+    the legacy files' weights exactly and Megatron-Core's logits; our ``--saver torch_dist`` files read back to the
+    same weights (Megatron-Core loading them at TP 2 gave its logits exactly: the generator's record)."""
     golden = torch.load(os.path.join(MCORE, "golden.pt"), weights_only=True)
-    for src, dst in ((MCORE_DIST, "from_dist"), (MCORE, "from_legacy")):
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "torch_dist", "--load-dir",
+                      MCORE, "--save-dir", str(tmp_path / "our_dist"))  # what Megatron-Core loaded (record below)
+    assert rc == 0, err
+    for src, dst in ((MCORE_DIST, "from_dist"), (MCORE, "from_legacy"), (str(tmp_path / "our_dist"), "from_ours")):
         rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir", src,
                           "--save-dir", str(tmp_path / dst), "--target-tensor-parallel-size", "1")
         assert rc == 0, err
-    dist_sd = _our_model(str(tmp_path / "from_dist")).state_dict()
     legacy_sd = _our_model(str(tmp_path / "from_legacy")).state_dict()
-    assert list(dist_sd) == list(legacy_sd)
-    for name, value in legacy_sd.items():
-        assert torch.equal(dist_sd[name], value), name
+    for other in ("from_dist", "from_ours"):
+        other_sd = _our_model(str(tmp_path / other)).state_dict()
+        assert list(other_sd) == list(legacy_sd)
+        for name, value in legacy_sd.items():
+            assert torch.equal(other_sd[name], value), (other, name)
+    record = json.load(open(os.path.join(MCORE, "megatron_core_loads_our_torch_dist.json")))
+    assert record["format"] == "torch_dist" and record["max_abs_logit_difference"] == 0.0
     for load_dir in (str(tmp_path / "from_dist"), MCORE_DIST):
         torch.testing.assert_close(_our_logits(load_dir, golden["tokens"]), golden["logits"][..., :VOCAB],
                                    rtol=1e-5, atol=1e-5)
