@@ -47,7 +47,8 @@ def _llama_payload(opts, family) -> Payload:
     tokenizer = _existing(opts.load_dir, "tokenizer.json")
     eos = config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    args = dict(spec_to_args(spec), vocab_size=dims.vocab_size, make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
+    args = dict(spec_to_args(spec), vocab_size=dims.vocab_size,
+                make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
                 hidden_dropout=0.0, attention_dropout=float(config.get("attention_dropout", 0.0)),
                 init_method_std=config.get("initializer_range", 0.02),
                 tokenizer_type="HuggingFaceTokenizer" if tokenizer else None,

@@ -196,8 +196,8 @@ def load_hf_llama(model_dir: str, make_vocab_size_divisible_by: int = 128
     used = set(to_hf_llama(full, spec, vocab)) | {"lm_head.weight"}
     unknown = sorted(k for k in hf_sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if unknown:
-        raise CheckpointFormatError(f"{model_dir}: unknown tensor {unknown[0]} (not a {ARCHITECTURES[config['model_type']]}"
-                                    " weight)")
+        architecture = ARCHITECTURES[config["model_type"]]
+        raise CheckpointFormatError(f"{model_dir}: unknown tensor {unknown[0]} (not a {architecture} weight)")
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dims = dims_from_spec(spec, vocab_size=vocab, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                           params_dtype=dtype)
