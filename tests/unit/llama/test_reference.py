@@ -9,6 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.model_counts import chunk_param_numels
+from megatron.core.models.gpt import GPTModel
+from megatron.core.parallel_state import ParallelState
 from tests.unit.llama.helpers import VOCAB, batch, built, llama_config
 
 
@@ -128,3 +131,15 @@ def test_selective_recompute_of_the_activation_changes_nothing(gated):
     grads = dict(recomputed.named_parameters())
     for name, p in plain.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["llama"])
+@pytest.mark.parametrize("stage", [(True, True), (True, False), (False, True)])
+def test_parameter_counts_are_the_built_models(case, stage):
+    """``model_counts`` (the log line, --dry-run and the planner count with it) equals the built chunk's
+    parameters, in registration order, for every option set and pipeline stage."""
+    cfg = llama_config(**CASES.get(case, {}))
+    pre, post = stage
+    model = GPTModel(cfg, ParallelState.single(), pre_process=pre, post_process=post, num_layers=1)
+    want = chunk_param_numels(cfg.spec, 1, 1, pre=pre, post=post)
+    assert [p.numel() for p in model.parameters()] == want
