@@ -6,7 +6,8 @@
 
 Loaders: ``megatron`` (Megatron-LM legacy torch format, also pre-Core files of ``checkpoint_version`` 0-3, and
 ``torch_dist``, read through an allowlist, never executing code),
-``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2; for BERT ``BertForPreTraining`` post-LN or
+``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2 or, by ``config.json``'s ``model_type``,
+``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``; for BERT ``BertForPreTraining`` post-LN or
 ``MegatronBertForPreTraining`` pre-LN). Savers: ``ours``, ``megatron`` (any target TP/PP;
 ``--reshard-optimizer`` carries optimizer, scheduler and, when the layout is unchanged, RNG state), ``torch_dist``
 (Megatron-LM's ``--ckpt-format torch_dist``; the optimizer as its distributed optimizer's) and ``hf``.

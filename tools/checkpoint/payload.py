@@ -54,6 +54,8 @@ def tokenizer_facts(args: Dict[str, Any], vocab_file: Optional[str], merge_file:
             size = int(args["vocab_size"])
         return size, (eod if eod < size else None), vocab_file, None
     size = args.get("vocab_size")
+    if args.get("tokenizer_type") == "NullTokenizer":
+        return None, None, None, None  # its end-of-document id adds a row: dims_from_args counts it
     return (int(size) if size else None), None, None, None
 
 

@@ -139,6 +139,14 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
                           params_dtype=str(dtype).replace("torch.", ""), seq_length=args.get("seq_length"))
 
 
+def saved_vocab_size(args: Dict[str, Any], dims: ModelDims) -> Optional[int]:
+    """The ``vocab_size`` argument to save for ``dims``' real vocabulary: Megatron-LM's ``NullTokenizer`` counts its
+    ``--vocab-size`` without the end-of-document row it adds (the reverse of :func:`dims_from_args`'s rule)."""
+    if dims.vocab_size is None:
+        return None
+    return dims.vocab_size - 1 if args.get("tokenizer_type") == "NullTokenizer" else dims.vocab_size
+
+
 def dims_from_spec(spec: ModelSpec, padded_vocab_size: Optional[int] = None, vocab_size: Optional[int] = None,
                    make_vocab_size_divisible_by: int = 128, params_dtype: str = "float32",
                    seq_length: Optional[int] = None) -> ModelDims:

@@ -149,7 +149,7 @@ class ModelFamily:
         expected = self.shapes(dims) if self.shapes is not None else {}
         for name, shape in expected.items():
             if name not in full:
-                if (name == self.tied_output and dims.tied_embeddings) or name in absent:
+                if (name == self.tied_output and dims.tied_embeddings) or name in absent or self.is_optional(name):
                     continue
                 raise CheckpointFormatError(f"{where}: {self.name} parameter {name} is missing")
             if tuple(full[name].shape) != tuple(shape):
@@ -159,16 +159,22 @@ class ModelFamily:
 
 def _gpt_shapes(d: ModelDims) -> dict:
     h, f = d.hidden_size, d.ffn_hidden_size
+    groups = d.num_query_groups or d.num_attention_heads
+    kv = d.kv_channels or h // d.num_attention_heads
+    q, qkv = d.num_attention_heads * kv, (d.num_attention_heads + 2 * groups) * kv  # grouped-query attention
+    fc1 = 2 * f if d.gated_linear_unit else f  # SwiGLU: [gate; up]
     out = {"embedding.word_embeddings.weight": (d.padded_vocab_size, h),
            "embedding.position_embeddings.weight": (d.max_position_embeddings, h),
            "decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,)}
     if not d.tied_embeddings:
         out["output_layer.weight"] = (d.padded_vocab_size, h)
     per_layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
-                 "self_attention.linear_qkv.weight": (3 * h, h), "self_attention.linear_qkv.bias": (3 * h,),
-                 "self_attention.linear_proj.weight": (h, h), "self_attention.linear_proj.bias": (h,),
+                 "self_attention.linear_qkv.weight": (qkv, h), "self_attention.linear_qkv.bias": (qkv,),
+                 "self_attention.linear_proj.weight": (h, q), "self_attention.linear_proj.bias": (h,),
+                 "self_attention.q_layernorm.weight": (kv,), "self_attention.q_layernorm.bias": (kv,),
+                 "self_attention.k_layernorm.weight": (kv,), "self_attention.k_layernorm.bias": (kv,),
                  "pre_mlp_layernorm.weight": (h,), "pre_mlp_layernorm.bias": (h,),
-                 "mlp.linear_fc1.weight": (f, h), "mlp.linear_fc1.bias": (f,),
+                 "mlp.linear_fc1.weight": (fc1, h), "mlp.linear_fc1.bias": (fc1,),
                  "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,)}
     for i in range(d.num_layers):
         out.update({f"decoder.layers.{i}.{k}": v for k, v in per_layer.items()})
@@ -278,16 +284,12 @@ def families() -> List[str]:
 
 
 def check_supported_args(args: Dict[str, Any], where: str) -> None:
-    """Refuse, by flag, the architectures whose weights our models cannot hold."""
+    """Refuse, by flag, the architectures whose weights our models cannot hold (the options the model description
+    covers are checked by ``model_spec.spec_from_args``)."""
     refusals = [
-        ("position_embedding_type", lambda v: v not in (None, "learned_absolute"), "learned_absolute"),
-        ("normalization", lambda v: v not in (None, "LayerNorm"), "LayerNorm"),
-        ("swiglu", lambda v: bool(v), "off"),
-        ("add_bias_linear", lambda v: v is False, "on"),
-        ("group_query_attention", lambda v: bool(v), "off"),
         ("num_experts", lambda v: v not in (None, 0, 1), "unset"),
-        ("qk_layernorm", lambda v: bool(v), "off"),
         ("transformer_impl", lambda v: v not in (None, "local", "transformer_engine"), "local"),
+        ("multi_latent_attention", lambda v: bool(v), "off"),
     ]
     for key, bad, want in refusals:
         if key in args and bad(args[key]):
