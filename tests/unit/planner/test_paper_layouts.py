@@ -65,7 +65,7 @@ def test_search_plans_tensor_parallelism_with_and_without_sp():
 def test_one_gpu_memory_default(capsys):
     """tools/plan.py and --dry-run check fits against the calibration's device memory (H200: 150.11 GB = 139.8 GiB
     as CUDA reports it) unless --gpu-memory-gb is given."""
-    from megatron.core.planner import dry_run
+    from megatron.training.dry_run import dry_run
 
     memory = calibrated_gpu_memory_gb(load_calibration("h200"))
     assert memory * 1e9 / GIB == pytest.approx(139.8, abs=0.05)
@@ -83,17 +83,14 @@ def test_one_gpu_memory_default(capsys):
 
 
 def test_unfused_bias_dropout_add_keeps_its_masks():
-    """``--no-bias-dropout-fusion`` reaches the planner (from its own flags and from a trainer namespace) and adds
-    the two 1-byte hidden-dropout masks the fused kernel does not keep."""
-    import argparse
-
-    from megatron.core.planner.flags import inputs_from_argv, planner_argv
+    """``--no-bias-dropout-fusion`` (the trainer's flag, read by the planner) adds the two 1-byte hidden-dropout
+    masks the fused kernel does not keep."""
+    from megatron.training.plan_inputs import inputs_from_argv
 
     base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --global-batch-size 2 "
             "--micro-batch-size 2 --bf16 --hidden-dropout 0.1").split()
     _, fused, _, _ = inputs_from_argv(base, num_gpus=1)
-    shape, unfused, _, _ = inputs_from_argv(base + planner_argv(argparse.Namespace(bias_dropout_fusion=False)),
-                                            num_gpus=1)
+    shape, unfused, _, _ = inputs_from_argv(base + ["--no-bias-dropout-fusion"], num_gpus=1)
     assert fused.bias_dropout_fusion and not unfused.bias_dropout_fusion
     extra = layer_activation_bytes(shape, unfused, "none") - layer_activation_bytes(shape, fused, "none")
     assert extra == 2 * 64 * 2 * 64  # two masks of s x b x h bytes
