@@ -110,13 +110,12 @@ def _check_fp8(ns: argparse.Namespace, tp: int) -> None:
 
 
 def _check_model(ns: argparse.Namespace, tp: int) -> None:
-    """Model-shape checks live in the library's ModelSpec and TransformerConfig; build one to run them (which
-    options the layers build is checked when the model is built, so --dry-run can plan any model)."""
+    """Model-shape checks live in the library's ModelSpec and TransformerConfig; build one to run them."""
     from megatron.training.config import ModelConfig, PrecisionConfig, section_from_namespace, transformer_config
 
     try:
         cfg = transformer_config(section_from_namespace(ModelConfig, ns), section_from_namespace(PrecisionConfig, ns),
-                                 ns.sequence_parallel, padded_vocab_size=0, check_layers=False)
+                                 ns.sequence_parallel, padded_vocab_size=0)
         cfg.check_tensor_parallel(tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
