@@ -373,7 +373,7 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
           f"Command: `{meta['command']}`", "",
           "Every trainer reads the same tokens (the bundled corpus as one .bin/.idx through the library's GPT "
           "dataset and loader, bench/corpus.py). MFU = tokens/s x model FLOPs per token "
-          "(72 L h^2 + 12 L h s + 6 h V, V = 50304; megatron.core.model_counts.flops_per_token) / peak: "
+          "(GPT rows: 72 L h^2 + 12 L h s + 6 h V, V = 50304; megatron.core.model_counts.flops_per_token) / peak: "
           f"bf16 dense peak {bf16_peak:g} TFLOP/s for every row; FP8 rows also against the FP8 dense peak "
           f"{fp8_peak:g} TFLOP/s (FP8 GEMMs in the transformer layers, same bf16 model and FLOP count). "
           "bf16, AdamW, dropout 0.", "",
@@ -435,7 +435,9 @@ def merge_rows(path_json: str, meta: dict, rows: list, extras: dict, family: str
     keys = {(r["trainer"], r["num_layers"], r["hidden_size"]) for r in rows}
     kept = [r for r in old.get("rows", []) if (r["trainer"], r["num_layers"], r["hidden_size"]) not in keys]
     merged_extras = old.get("extras", {})
-    merged_extras[family] = extras
+    before = merged_extras.get(family, {})  # per-row and per-shape records of the kept rows stay
+    merged_extras[family] = {k: {**before[k], **v} if k != "errors" and isinstance(v, dict)
+                             and isinstance(before.get(k), dict) else v for k, v in extras.items()}
     merged_meta = {**meta, **{k: v for k, v in old.items() if k not in ("rows", "extras")}} if old else meta
     merged_meta[f"{family}_command"] = meta["command"]
     merged_meta[f"{family}_date"] = meta["date"]
