@@ -129,6 +129,9 @@ def torchtitan_llama(a, device: str, fp8: bool):
 
         convert_to_float8_training(model, config=Float8LinearConfig(),
                                    module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        if converted != 5 * a.layers:  # per block: fused QKV, output projection, w1, w2, w3
+            raise RuntimeError(f"torchao converted {converted} linear layers to float8, not {5 * a.layers}")
         versions["torchao"] = _version("torchao")
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, _compile(block, device))
