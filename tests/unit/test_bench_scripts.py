@@ -265,3 +265,32 @@ def test_llama_table_rows_on_cpu(corpus_prefix, tmp_path):
         losses = llama["losses"][f"{trainer}/2x64"]
         # an untrained model over 128,256 rows starts near ln(128256) = 11.76, on every trainer
         assert len(losses) == 2 and all(abs(x - math.log(V)) < 1.0 for x in losses), (trainer, losses)
+
+
+def test_gpu_session_steps_name_existing_cases():
+    """The GPU steps name what the scripts accept: every ``--case`` of an A/B step parses in ab_trees.py, every
+    ``--only`` configuration of the memory step is one of plan_validation.py's, every peer of the Llama step is
+    one of llama_throughput.py's trainers."""
+    import re
+
+    sys.path.insert(0, BENCH)
+    try:
+        import ab_trees
+        import llama_throughput
+        import plan_validation
+    finally:
+        sys.path.remove(BENCH)
+    with open(os.path.join(BENCH, "gpu_session.sh")) as f:
+        text = f.read().replace("\\\n", " ")
+    cases = re.findall(r'--case "([^"]*)"', text)
+    assert len(cases) >= 9
+    parsed = {ab_trees.parse_case(c)[:2] for c in cases}
+    assert {("124m", "ours"), ("124m", "ours-fp8"), ("1.3b", "ours"), ("1.3b", "ours-fp8"),
+            ("large", "ours-bert")} <= parsed
+    (only,) = re.findall(r"plan_validation\.py [^|]*?--only\s+(\S+)", text)
+    names = {c[0] for c in plan_validation.CONFIGS}
+    assert set(only.split(",")) <= names and sum("dropout" in n for n in only.split(",")) == 4
+    step = text[text.index("  llama)"):text.index(";;", text.index("  llama)"))]
+    assert "bench/llama_throughput.py" in step and "--python" in step
+    assert llama_throughput.python_for([f"torchtitan,torchtitan-fp8={sys.executable}"]) == {
+        "torchtitan": sys.executable, "torchtitan-fp8": sys.executable}
