@@ -17,9 +17,10 @@
 #                                                   ours (bf16, CUDA graph) at 124M; bench/results/ab_TAG: ~5 min
 #   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm, FP8-cast and column-sum launch sweeps; each
 #                                                   prints its best configuration (the library is not edited)
-#   bash bench/gpu_session.sh llama [RESULTS_DIR]   the Llama table (bench/llama_throughput.py): ours bf16 and FP8,
-#                                                   torchtitan (and its float8), Megatron-Core, HF compiled at the
-#                                                   1B and 3B shapes; the peers' Pythons from PEERS (below): ~8 min
+#   bash bench/gpu_session.sh llama-1b [RESULTS_DIR]   the Llama table (bench/llama_throughput.py) at the 1B
+#                                                   shape: ours bf16 and FP8, torchtitan (and its float8),
+#                                                   Megatron-Core, HF compiled; the peers' Pythons from PEERS: ~6 min
+#   bash bench/gpu_session.sh llama-3b [RESULTS_DIR]   the same at the 3B shape: ~8 min
 #   bash bench/gpu_session.sh ab-table BASE [TAG]   the throughput table's GPT cases (124M and 1.3B, bf16 and FP8,
 #                                                   with the table's flags) in this tree against BASE, interleaved,
 #                                                   two rounds; bench/results/ab_TAG: ~8 min
@@ -33,11 +34,12 @@
 #                                                   all-gather on NCCL (sp_backward_gather_cuda): ~2 min
 #   bash bench/gpu_session.sh host [RESULTS_DIR]    eager host time per layer on the GPU (host_overhead_cuda): ~3 min
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
-# PEERS (llama): space-separated TRAINER[,TRAINER]=PYTHON for bench/llama_throughput.py --python, e.g.
+# PEERS (llama-*): space-separated TRAINER[,TRAINER]=PYTHON for bench/llama_throughput.py --python, e.g.
 #   PEERS="megatron-core,torchtitan,torchtitan-fp8=scratch/peers/bin/python" (bench/README.md: the wheels to carry)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama, memory, sp or host}
+what=${1:?tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b, memory,
+  sp or host}
 R=${2:-bench/results}
 case "$what" in ab*) ;; *) mkdir -p "$R/logs" ;; esac  # ab's second argument is the baseline checkout
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -86,10 +88,11 @@ case "$what" in
     base=${2:?ab-bert needs the baseline checkout BASE}
     python bench/ab_trees.py --tree "base=$base" --tree new=. --rounds 2 --iters 10 --warmup 5 \
         --tag "${3:-table}_bert" --case "large:ours-bert:" --case "large:ours-bert:--enable-cuda-graph" | grep -E "^\|" ;;
-  llama)
+  llama-1b|llama-3b)
     peers=()
     for p in ${PEERS:-}; do peers+=(--python "$p"); done
-    python bench/llama_throughput.py --iters 10 --warmup 5 --results-dir "$R" --log-dir "$R/logs" "${peers[@]}" \
+    python bench/llama_throughput.py --shapes "$what" --iters 10 --warmup 5 --results-dir "$R" --log-dir "$R/logs" \
+        "${peers[@]}" \
         --ours-fp8-args "--fp8-recipe delayed" | tail -20
     grep -E "^\| (ours-llama|torchtitan|megatron-core|hf-llama)" "$R/gpu_throughput.md" ;;
   memory)
@@ -107,6 +110,6 @@ case "$what" in
     python bench/kernel_sweep.py --only layer_norm --out "$R/kernel_sweep_ln.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only fp8 --out "$R/kernel_sweep_fp8.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only colsum --out "$R/kernel_sweep_colsum.json" | grep -A9 "^Best" ;;
-  *) echo "unknown step $what (tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama, memory, sp" \
-        "or host)" >&2; exit 2 ;;
+  *) echo "unknown step $what (tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b," \
+        "memory, sp or host)" >&2; exit 2 ;;
 esac

@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-1b,llama-3b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations")
     ap.add_argument("--warmup", type=int, default=5, help="untimed warm-up iterations (compilation included)")
+    ap.add_argument("--micro-batch-size", type=int, default=0, help="micro-batch of every shape (0: the shape's)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a check of the script")
     ap.add_argument("--python", action="append", default=[], metavar="TRAINER[,TRAINER]=PATH",
                     help="the Python a peer runs in (default: this one)")
@@ -178,7 +179,7 @@ def main() -> None:
     rows, extras = [], {"note": "vocabulary 128,256 (Llama 3's) over GPT-2 token ids (bench/llama_throughput.py).",
                         "flops_per_token": {}, "versions": {}, "losses": {}, "errors": {}}
     for shape_name in shapes:
-        shape = SHAPES[shape_name]
+        shape = dict(SHAPES[shape_name], micro_batch_size=a.micro_batch_size or SHAPES[shape_name]["micro_batch_size"])
         spec = model_spec(shape)
         fpt = flops_per_token(spec)
         size = f"{shape['num_layers']}x{shape['hidden_size']}"

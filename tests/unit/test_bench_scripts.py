@@ -290,7 +290,7 @@ def test_gpu_session_steps_name_existing_cases():
     (only,) = re.findall(r"plan_validation\.py [^|]*?--only\s+(\S+)", text)
     names = {c[0] for c in plan_validation.CONFIGS}
     assert set(only.split(",")) <= names and sum("dropout" in n for n in only.split(",")) == 4
-    step = text[text.index("  llama)"):text.index(";;", text.index("  llama)"))]
+    step = text[text.index("  llama-1b|llama-3b)"):text.index(";;", text.index("  llama-1b|llama-3b)"))]
     assert "bench/llama_throughput.py" in step and "--python" in step
     assert llama_throughput.python_for([f"torchtitan,torchtitan-fp8={sys.executable}"]) == {
         "torchtitan": sys.executable, "torchtitan-fp8": sys.executable}
