@@ -29,7 +29,7 @@
 #   bash bench/gpu_session.sh memory [RESULTS_DIR]  activation memory with dropout 0.1 against the planner at TP 1:
 #                                                   the planner's dropout-0.1 configurations and their dropout-0
 #                                                   twins (RESULTS_DIR/plan_dropout/), then bench/memory.py on the
-#                                                   GPU with dropout 0.1 (memory_gpu_dropout): ~5 min
+#                                                   GPU with dropout 0.1 (memory_gpu, per layer): ~5 min
 #   bash bench/gpu_session.sh sp [RESULTS_DIR]      needs 2 GPUs: the time of the sequence-parallel backward
 #                                                   all-gather on NCCL (sp_backward_gather_cuda): ~2 min
 #   bash bench/gpu_session.sh host [RESULTS_DIR]    eager host time per layer on the GPU (host_overhead_cuda): ~3 min
@@ -99,13 +99,13 @@ case "$what" in
     python bench/plan_validation.py --run --calibrate-first --results-dir "$R/plan_dropout" --only \
         gpt124m_mb8_none_dropout,gpt124m_mb4_none_dropout_unfused,gpt1.3b_mb8_selective_dropout,bert_large_mb8_none_dropout,gpt124m_mb4_none,gpt1.3b_mb8_selective,bert_large_mb8_none \
         | grep -E "^\|"
-    python bench/memory.py --device cuda --tp 0 --dropout 0.1 --out "$R/memory_gpu_dropout" | tail -15 ;;
+    python bench/memory.py --device cuda --tp 0 --dropout 0.1 --out "$R/memory_gpu" | tail -15 ;;
   sp)
     export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     python bench/sp_backward_gather.py --cuda --tp 2 --seq 8192 --hidden 8192 --out-features 32768 \
         --results-dir "$R" | tail -8 ;;
   host)
-    python bench/host_overhead.py --device cuda --results-dir "$R/host_overhead_cuda" | tail -12 ;;
+    python bench/host_overhead.py --device cuda --results-dir "$R" | tail -12 ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --out "$R/kernel_sweep_ln.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only fp8 --out "$R/kernel_sweep_fp8.json" | grep -A9 "^Best"
