@@ -457,7 +457,7 @@ def _glue_values(argv: list) -> list:
     """``--ours-args --flag`` would make argparse read --flag as an option: glue each value to its option."""
     out = list(argv)
     for i in range(len(out) - 1):
-        if out[i] in ("--ours-args", "--ours-shape-args", "--ours-fp8-shape-args", "--variant"):
+        if out[i] in ("--ours-args", "--ours-shape-args", "--ours-fp8-shape-args", "--ours-fp8-args", "--variant"):
             out[i:i + 2] = [f"{out[i]}={out[i + 1]}", ""]
     return [x for x in out if x != ""]
 

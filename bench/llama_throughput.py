@@ -126,8 +126,8 @@ def run_peer(trainer: str, shape: dict, spec, a, tokens: str, python: str) -> tu
     found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"{trainer} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
-    return json.loads(found[-1][len("BENCH_RESULT "):]), " ".join(shlex.quote(os.path.relpath(x, ROOT) if x.startswith(ROOT) else x)
-                                                       for x in ["python"] + argv[1:])
+    shown = ["python"] + [os.path.relpath(x, ROOT) if x.startswith(ROOT) else x for x in argv[1:]]
+    return json.loads(found[-1][len("BENCH_RESULT "):]), " ".join(shlex.quote(x) for x in shown)
 
 
 def make_row(trainer: str, shape: dict, res: dict, command: str, fpt: float, peaks: tuple) -> dict:
