@@ -8,7 +8,8 @@ Trainers (``--trainer``), all with fp32 parameters, bf16 autocast on CUDA, AdamW
 0.9/0.95, weight decay 0.1), clip-grad 1.0, dropout 0 and the loss over the same ``s`` targets per sample:
   hf-llama-compiled   transformers ``LlamaForCausalLM`` (SDPA attention) under ``torch.compile``
   megatron-core       Megatron-Core ``GPTModel`` with ``get_gpt_layer_local_spec`` (no Transformer Engine), RMSNorm,
-                      SwiGLU, RoPE, grouped-query attention, no biases, untied output layer; its own loss (the
+                      SwiGLU (its fused SwiGLU, ``bias_activation_fusion``), RoPE, grouped-query attention, no
+                      biases, untied output layer, Megatron-LM's causal mask; its own loss (the
                       vocabulary-parallel cross entropy) at TP 1
   torchtitan          torchtitan's Llama 3 model (``torchtitan.models.llama3``, flex attention with its
                       causal mask, each transformer block under ``torch.compile`` as torchtitan compiles them)
@@ -88,7 +89,7 @@ def megatron_core(a, device: str):
                             num_query_groups=a.groups, ffn_hidden_size=a.ffn, kv_channels=a.hidden // a.heads,
                             normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
                             activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
-                            attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+                            attention_dropout=0.0, bias_activation_fusion=True, masked_softmax_fusion=False,
                             apply_rope_fusion=False, gradient_accumulation_fusion=False,
                             use_cpu_initialization=device != "cuda")
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
