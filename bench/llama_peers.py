@@ -137,10 +137,13 @@ def torchtitan_llama(a, device: str, fp8: bool):
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, _compile(block, device))
     positions = torch.arange(a.seq, device=device).unsqueeze(0)
+    masks = {}  # one document per sample, as our trainer reads them: the same mask every step, built once
 
-    def step(idx, tgt):  # one document per sample, as our trainer reads them (no reset at end-of-document)
+    def step(idx, tgt):
         pos = positions.expand_as(idx)
-        logits = model(idx, pos, model.get_attention_masks(pos))
+        if idx.shape not in masks:
+            masks[idx.shape] = model.get_attention_masks(pos)
+        logits = model(idx, pos, masks[idx.shape])
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1))
     return model, step, versions
 
