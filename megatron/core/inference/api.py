@@ -206,13 +206,14 @@ def parse_completions_request(body: Any, tokenizer, limits: Limits) -> Job:
 
 
 def megatron_response(job: Job, outputs, tokenizer) -> dict:
-    """``{"text": [prompt + continuation], "segments": [[token strings]], "logprobs": [[...]]}``."""
+    """``{"text": [prompt + continuation], "tokens": [[prompt and generated ids]], "segments": [[token strings]],
+    "logprobs": [[...]]}``, as Megatron-LM's server answers."""
     texts, segments, logprobs = [], [], []
     for prompt, out in zip(job.texts, outputs):
         texts.append(prompt + out.text)
         segments.append([tokenizer.detokenize([t]) for t in out.tokens])
         logprobs.append(out.logprobs)
-    response = {"text": texts, "segments": segments}
+    response = {"text": texts, "tokens": [out.tokens for out in outputs], "segments": segments}
     if job.params.logprobs:
         response["logprobs"] = logprobs
     return response

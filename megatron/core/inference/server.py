@@ -10,7 +10,9 @@ the server goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import threading
 import time
 import traceback
@@ -32,21 +34,43 @@ def _reject_constant(name: str):
     raise RequestError(f"invalid JSON: {name} is not a number")
 
 
+def _check_text(value) -> None:
+    """Refuse a string holding a lone UTF-16 surrogate (JSON's ``"\\ud800"``): it is no Unicode text, so it can
+    neither be tokenized nor written back as UTF-8. Walks the decoded body without recursion."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestError(f"invalid JSON string: lone surrogate {v[exc.start]!a} at character "
+                                   f"{exc.start} (not Unicode text)") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
 class GenerationService:
     """Validates requests and runs them on the engine one at a time.
 
     ``before_generate(prompts, params)``, when given, is called under the lock before the engine runs (the
-    tensor-parallel server uses it to send the job to the other ranks).
+    tensor-parallel server uses it to send the job to the other ranks). ``seeds``, when given, supplies the seed
+    of each request that has none, in the order the requests reach the model.
     """
 
     def __init__(self, engine, limits: Limits, model_name: str = "megatron-lite", max_pending: int = 64,
-                 before_generate: Optional[Callable] = None, log: Callable[[str], None] = print):
+                 before_generate: Optional[Callable] = None, log: Callable[[str], None] = print,
+                 seeds: Optional[random.Random] = None):
         self.engine, self.limits, self.model_name = engine, limits, model_name
         self.tokenizer = engine.tokenizer
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_pending)
         self.before_generate = before_generate
         self.log = log
+        self.seeds = seeds
         self.served = 0
 
     def _run(self, job):
@@ -54,6 +78,8 @@ class GenerationService:
             raise RequestError("server busy: too many requests waiting; retry later", status=503)
         try:
             with self._lock:
+                if self.seeds is not None and job.params.seed is None:
+                    job.params = dataclasses.replace(job.params, seed=self.seeds.randrange(2**62))
                 if self.before_generate is not None:
                     self.before_generate(job.prompts, job.params)
                 outputs = self.engine.generate(job.prompts, job.params)
@@ -95,8 +121,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, status: int, message: str) -> None:
+        """OpenAI's error object; the top-level ``message`` is what Megatron-LM's command-line client prints."""
         kind = "invalid_request_error" if status < 500 else "server_error"
-        self._send(status, {"error": {"message": message, "type": kind, "code": status}})
+        self._send(status, {"error": {"message": message, "type": kind, "code": status}, "message": message})
 
     def _read_json(self):
         length = self.headers.get("Content-Length")
@@ -115,11 +142,17 @@ class _Handler(BaseHTTPRequestHandler):
         if len(raw) < n:
             raise RequestError(f"request body ended after {len(raw)} of {n} bytes")
         try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+            body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
         except UnicodeDecodeError:
             raise RequestError("the request body is not UTF-8") from None
-        except json.JSONDecodeError as exc:
+        except RequestError:
+            raise
+        except RecursionError:
+            raise RequestError("invalid JSON: nested too deeply") from None
+        except ValueError as exc:  # malformed JSON, or an integer of more digits than Python converts
             raise RequestError(f"invalid JSON: {exc}") from None
+        _check_text(body)
+        return body
 
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
