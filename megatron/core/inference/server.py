@@ -1,10 +1,10 @@
 """HTTP generation server on the standard library's ``ThreadingHTTPServer``.
 
 Endpoints: ``PUT /api`` (Megatron-LM's text generation API), ``POST /v1/completions`` (OpenAI-style),
-``GET /health``. Each connection has its own thread, which reads and validates its request; generation itself
+``GET /v1/models`` (the one model served), ``GET /health``. Each connection has its own thread, which reads and validates its request; generation itself
 runs one request at a time under a lock (requests wait their turn in arrival order of the lock, at most
 ``max_pending`` of them, beyond which the server answers 503). A bad request gets a 4xx with
-``{"error": {"message": ..., "type": ...}}`` and never reaches the model; an unexpected failure answers 500 and
+``{"error": {"message": ..., "type": ...}, "message": ...}`` and never reaches the model; an unexpected failure answers 500 and
 the server goes on.
 """
 
@@ -71,6 +71,7 @@ class GenerationService:
         self.before_generate = before_generate
         self.log = log
         self.seeds = seeds
+        self.created = int(time.time())
         self.served = 0
 
     def _run(self, job):
@@ -94,6 +95,10 @@ class GenerationService:
         if not body.get("no_log", False):
             self.log(f"PUT /api: {len(job.prompts)} prompt(s), {sum(len(o.generated) for o in outputs)} tokens")
         return megatron_response(job, outputs, self.tokenizer)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "megatron-lite"}]}
 
     def completions(self, body) -> dict:
         job = parse_completions_request(body, self.tokenizer, self.limits)
@@ -159,17 +164,17 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {("PUT", "/api"): "megatron_api", ("POST", "/api"): "megatron_api",
                   ("POST", "/v1/completions"): "completions"}
         try:
-            if path == "/health":
+            if path in ("/health", "/v1/models"):
                 if method != "GET":
                     raise RequestError(f"{method} {path}: use GET", status=405)
-                self._send(200, {"status": "ok", "model": self.service.model_name,
-                                 "served": self.service.served})
+                self._send(200, self.service.models() if path == "/v1/models" else
+                           {"status": "ok", "model": self.service.model_name, "served": self.service.served})
                 return
             if (method, path) not in routes:
-                known = {p for _, p in routes} | {"/health"}
+                known = {p for _, p in routes}
                 status = 405 if path in known else 404
                 raise RequestError(f"{method} {path}: no such endpoint (PUT /api, POST /v1/completions, "
-                                   "GET /health)", status=status)
+                                   "GET /v1/models, GET /health)", status=status)
             body = self._read_json()
             self._send(200, getattr(self.service, routes[(method, path)])(body))
         except RequestError as exc:

@@ -18,6 +18,7 @@ from megatron.core.inference.lm_eval_adapter import MegatronLiteLM  # noqa: E402
 from megatron.core.tokenizer import build_tokenizer  # noqa: E402
 from tests.unit.inference.tiny import MERGES, VOCAB, tiny_args, tiny_model, write_checkpoint  # noqa: E402
 
+HF_VOCAB = json.load(open(VOCAB))
 PASSAGES = ["The tower was built of local granite", "A keeper lived in the small cottage",
             "The storm damaged the lantern room twice", "Visitors climb the spiral staircase",
             "The light can be seen from far away", "The trust restored the old tower"]
@@ -26,7 +27,8 @@ PASSAGES = ["The tower was built of local granite", "A keeper lived in the small
 def _hf_loglikelihood(hf, ctx, tgt):
     ids = torch.tensor([ctx + tgt])
     with torch.no_grad():
-        logp = hf(ids[:, :-1]).logits[0].double().log_softmax(-1)  # [s, V]
+        # over the real vocabulary (the model keeps its padding rows)
+        logp = hf(ids[:, :-1]).logits[0, :, :len(HF_VOCAB)].double().log_softmax(-1)  # [s, V]
     rows = logp[len(ctx) - 1:]
     target = torch.tensor(tgt)
     return float(rows.gather(-1, target.unsqueeze(-1)).sum()), bool((rows.argmax(-1) == target).all())
