@@ -66,6 +66,9 @@ def test_generate_bad_input_lines(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate.parse_args(["--load", "x", "--temperature", "-1"])
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: --temperature must be >= 0, got -1.0")
+    args = generate.parse_args(["--load", "x", "--num-layers", "24", "--fp16", "--micro-batch-size", "3",
+                                "--no-load-optim", "--tensor-model-parallel-size", "1"])  # Megatron-LM's flags
+    assert (args.batch_size, args.num_layers, args.fp16) == (3, 24, True)
     bad = tmp_path / "prompts.txt"
     bad.write_bytes(b"fine\n\xff\xfe not text\n")
     args = generate.parse_args(["--load", "x", "--prompt-file", str(bad)])
