@@ -35,7 +35,8 @@ def get_args(argv=None) -> PreprocessConfig:
                    help="--vocab-file as older how-tos spell it (Megatron-LM took it as an abbreviation of "
                         "--vocab-file until it added --vocab-size); accepted with a note")
     g.add_argument("--merge-file", default=None, help="merges.txt (GPT-2)")
-    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json, or its directory (HuggingFaceTokenizer)")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json, or its directory (HuggingFaceTokenizer); a "
+                   "SentencePiece .model (SentencePieceTokenizer, Llama2Tokenizer)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer: ids 0..N-1 written as decimal numbers, end of document N")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
