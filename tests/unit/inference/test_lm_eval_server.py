@@ -4,9 +4,7 @@ server: a LAMBADA-style log-likelihood task scores as with the project's own har
 Skipped unless ``lm_eval`` is installed (``pip install lm_eval``, the ``eval`` extra).
 """
 
-import json
 import math
-import textwrap
 import threading
 
 import pytest
@@ -21,11 +19,9 @@ from megatron.core.inference.api import Limits  # noqa: E402
 from megatron.core.inference.lm_eval_adapter import MegatronLiteLM  # noqa: E402
 from megatron.core.inference.server import GenerationService, make_server  # noqa: E402
 from megatron.core.tokenizer import build_tokenizer  # noqa: E402
+from tests.unit.inference.lm_eval_tasks import PASSAGES, write_loglikelihood_task  # noqa: E402
 from tests.unit.inference.tiny import MERGES, VOCAB, tiny_args, write_checkpoint  # noqa: E402
 
-PASSAGES = ["The tower was built of local granite", "A keeper lived in the small cottage",
-            "The storm damaged the lantern room twice", "Visitors climb the spiral staircase",
-            "The light can be seen from far away", "The trust restored the old tower"]
 
 
 def _task(tmp_path, engine, tok) -> str:
@@ -40,26 +36,7 @@ def _task(tmp_path, engine, tok) -> str:
             rows.append({"context": head, "target": last})
         else:
             rows.append({"context": head, "target": " " + last})
-    (tmp_path / "last_word.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "last_word.yaml").write_text(textwrap.dedent(f"""\
-        task: local_last_word
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {tmp_path / 'last_word.jsonl'}
-        test_split: test
-        output_type: loglikelihood
-        doc_to_text: "{{{{context}}}}"
-        doc_to_target: "{{{{target}}}}"
-        metric_list:
-          - metric: perplexity
-            aggregation: perplexity
-            higher_is_better: false
-          - metric: acc
-            aggregation: mean
-            higher_is_better: true
-        """))
+    write_loglikelihood_task(tmp_path / "tasks", "local_last_word", rows)
     return str(tmp_path / "tasks")
 
 
