@@ -41,6 +41,8 @@ class GenerationOutput:
     text: Optional[str] = None  # the generated text (tokenizer given), cut before a matched stop string
     # per generated token: the top_logprobs most likely (token id, log-prob) pairs at its position
     top_logprobs: Optional[List[List[tuple]]] = None
+    # the same per prompt token after the first (``prompt_top_logprobs``)
+    prompt_top_logprobs: Optional[List[List[tuple]]] = None
 
     @property
     def generated(self) -> List[int]:
@@ -212,6 +214,7 @@ class InferenceEngine:
         done = [max_new == 0] * b
         text_cut: List[Optional[int]] = [None] * b
         tops: List[List[list]] = [[] for _ in range(b)]
+        prompt_tops: List[List[list]] = [[] for _ in range(b)]
         generated: List[List[int]] = [[] for _ in range(b)]  # host copy of each sequence's generated tokens
         # the device copy of ``done`` (remade when a sequence finishes), None while no sequence is done
         done_t = torch.tensor(done, device=self.device) if any(done) else None
@@ -236,6 +239,8 @@ class InferenceEngine:
                     lp = F.log_softmax(logits[:, :-1, :self.vocab_size].float(), dim=-1)  # [b, cur - prev - 1, V]
                     target = tokens[:, prev + 1:cur].unsqueeze(-1)  # [b, cur - prev - 1, 1]
                     logprobs[:, prev + 1:cur] = lp.gather(-1, target).squeeze(-1)
+                    if params.prompt_top_logprobs:  # positions prev + 1 .. cur - 1 lie in every prompt
+                        self._append_tops(lp, params, prompt_tops, [True] * b)
                 if cur >= total or (all(done) and (logprobs is None or cur >= max_prompt)):
                     break
                 if logits is not None:
@@ -252,7 +257,8 @@ class InferenceEngine:
                 tokens[:, cur] = chosen
                 if logits is not None:
                     self._record_logprobs(logits[:, -1], chosen, cur, params, logprobs, tops,
-                                          [not done[i] and cur >= lengths[i] for i in range(b)])
+                                          [not done[i] and cur >= lengths[i] for i in range(b)],
+                                          prompt_tops, [cur < n for n in lengths])
                 step_tokens = chosen.tolist()  # one device-to-host copy per step
                 finished_now = False
                 for i in range(b):
@@ -273,9 +279,9 @@ class InferenceEngine:
         if logprobs is not None:
             logprobs = self.from_last_stage(logprobs)
         if params.top_logprobs and self.pstate.pp_size > 1:
-            box = [tops]
+            box = [(tops, prompt_tops)]
             dist.broadcast_object_list(box, src=self.pstate.pp_ranks[-1], group=self.pstate.pp_group)
-            tops = box[0]
+            tops, prompt_tops = box[0]
         outputs = []
         tok_list = tokens.tolist()
         lp_list = logprobs.tolist() if logprobs is not None else None
@@ -286,6 +292,8 @@ class InferenceEngine:
                 out.logprobs = lp_list[i][1:stop_at[i]]
             if params.top_logprobs:
                 out.top_logprobs = tops[i]
+            if params.prompt_top_logprobs:
+                out.prompt_top_logprobs = prompt_tops[i]
             if self.tokenizer is not None:
                 text = self._detok(out.generated)
                 out.text = text if text_cut[i] is None else text[:text_cut[i]]
@@ -293,20 +301,30 @@ class InferenceEngine:
         return outputs
 
     def _record_logprobs(self, last: torch.Tensor, chosen: torch.Tensor, cur: int, params: SamplingParams,
-                         logprobs: Optional[torch.Tensor], tops: List[list], generating: List[bool]) -> None:
-        """Log-prob of each chosen token at position ``cur`` (from the logits ``last [b, V]`` before it) and, for
-        the sequences generating there, the ``top_logprobs`` most likely tokens."""
+                         logprobs: Optional[torch.Tensor], tops: List[list], generating: List[bool],
+                         prompt_tops: List[list], prompting: List[bool]) -> None:
+        """Log-prob of each chosen token at position ``cur`` (from the logits ``last [b, V]`` before it) and the
+        ``top_logprobs`` most likely tokens: into ``tops`` for the sequences generating there, into
+        ``prompt_tops`` (with ``prompt_top_logprobs``) for those still in their prompt."""
         if logprobs is None and not params.top_logprobs:
             return
         lp = F.log_softmax(last[:, :self.vocab_size].float(), dim=-1)  # [b, V] over the real vocabulary
         if logprobs is not None:
             logprobs[:, cur] = lp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         if params.top_logprobs:
-            k = min(params.top_logprobs, self.vocab_size)
-            top_vals, top_ids = torch.topk(lp[:, :self.vocab_size], k, dim=-1)  # [b, k]
-            for i, active in enumerate(generating):
-                if active:
-                    tops[i].append(list(zip(top_ids[i].tolist(), top_vals[i].tolist())))
+            self._append_tops(lp.unsqueeze(1), params, tops, generating)
+        if params.prompt_top_logprobs:
+            self._append_tops(lp.unsqueeze(1), params, prompt_tops, prompting)
+
+    def _append_tops(self, lp: torch.Tensor, params: SamplingParams, into: List[list], active: List[bool]) -> None:
+        """For each active sequence ``i``, append the ``top_logprobs`` most likely (id, log-prob) pairs of every
+        position of ``lp [b, n, V]`` (log-probs over the real vocabulary) to ``into[i]``."""
+        k = min(params.top_logprobs, self.vocab_size)
+        top_vals, top_ids = torch.topk(lp[..., :self.vocab_size], k, dim=-1)  # [b, n, k]
+        ids, vals = top_ids.tolist(), top_vals.tolist()
+        for i, on in enumerate(active):
+            if on:
+                into[i].extend(list(zip(pos_ids, pos_vals)) for pos_ids, pos_vals in zip(ids[i], vals[i]))
 
     def _stop_reason(self, generated: List[int], params: SamplingParams):
         """``(reason, text cut)`` when the generated tokens end the sequence, else ``(None, None)``."""

@@ -113,7 +113,9 @@ class MegatronLiteLM(LM):
             inputs = torch.full((len(seqs), width), self.tokenizer.eod, dtype=torch.long)
             for i, s in enumerate(seqs):
                 inputs[i, :len(s) - 1] = torch.tensor(s[:-1])
-            logp = self.engine.forward_logits(inputs).log_softmax(-1).cpu()  # [b, width, V]
+            # over the real vocabulary, as the server's log-probs and the Hugging Face export: padding rows get no mass
+            logits = self.engine.forward_logits(inputs)[..., :self.tokenizer.vocab_size]
+            logp = logits.log_softmax(-1).cpu()  # [b, width, V]
             for i, ((_, tgt), s) in enumerate(zip(chunk, seqs)):
                 n = min(len(tgt), len(s) - 1)
                 rows = logp[i, len(s) - 1 - n:len(s) - 1]  # [n, V]
