@@ -70,7 +70,7 @@ def check_family(loaded: LoadedCheckpoint, family: ModelFamily, where: str) -> N
 def payload_from_loaded(loaded: LoadedCheckpoint, family: ModelFamily, dims: ModelDims, source: str,
                         opts) -> Payload:
     check_family(loaded, family, opts.load_dir)
-    full = merge_tp_pp(loaded.model_state_per_rank, family, tied=dims.tied_embeddings)
+    full = merge_tp_pp(loaded.model_state_per_rank, family, tied=dims.tied_embeddings, dims=dims)
     family.check_shapes(full, dims, opts.load_dir)
     tp, pp, _ = layout_of(loaded.model_state_per_rank)
     return Payload(family=family, dims=dims, full=full, args=loaded.args_dict, source=source, source_layout=(tp, pp),

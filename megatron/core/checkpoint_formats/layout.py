@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+from megatron.core.tensor_parallel.sharding import TPSharding
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -37,6 +38,10 @@ class ModelDims:
     apply_layernorm_1p: bool = False
     tied_embeddings: bool = True
     params_dtype: str = "float32"
+    # what decides how the fused linears are split over tensor-parallel ranks (TransformerConfig's names)
+    num_query_groups: Optional[int] = None  # None: one per attention head
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    gated_linear_unit: bool = False
 
     def padded_for(self, tp_size: int) -> int:
         """Embedding rows at ``tp_size``: the real vocabulary padded by Megatron's rule (when the real size is
@@ -75,9 +80,29 @@ class ModelFamily:
     megatron_last_stage: List[str] = field(default_factory=list)
     # parameters that a model may lack as a group (all of a group present, or none), e.g. BERT's binary head
     optional_groups: List[Tuple[str, ...]] = field(default_factory=list)
+    # parameters (layer-relative or global) that the model's options decide one by one: biases, norms' biases,
+    # position embeddings, per-head query/key norms
+    optional_params: Tuple[str, ...] = ()
 
     def is_optional(self, name: str) -> bool:
-        return any(name in group for group in self.optional_groups)
+        return (any(name in group for group in self.optional_groups) or name in self.optional_params
+                or self.split_layer_name(name)[1] in self.optional_params)
+
+    def tp_sharding(self, name: str, dims: "ModelDims") -> Optional[TPSharding]:
+        """How ``name`` is split over tensor-parallel ranks (None: replicated), the declaration the layers make
+        (``tensor_parallel.TPSharding``): the SwiGLU's ``[gate; up]`` weight per rank, the grouped QKV in whole
+        query groups, everything else a contiguous slice along its partition dimension."""
+        dim = self.partition_dim(name)
+        if dim is None:
+            return None
+        rel = self.split_layer_name(name)[1]
+        if rel.startswith("mlp.linear_fc1.") and dims.gated_linear_unit:
+            return TPSharding(dim, blocks=2)
+        if rel.startswith("self_attention.linear_qkv."):
+            groups = dims.num_query_groups or dims.num_attention_heads
+            d = dims.kv_channels or dims.hidden_size // dims.num_attention_heads
+            return TPSharding(dim, unit=(dims.num_attention_heads // groups + 2) * d)
+        return TPSharding(dim)
 
     def split_layer_name(self, name: str) -> Tuple[Optional[int], str]:
         """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``(3, "mlp.linear_fc1.weight")``; ``(None, name)``
@@ -153,9 +178,19 @@ def _gpt_shapes(d: ModelDims) -> dict:
 
 _GPT_LAYER = ["input_layernorm.weight", "input_layernorm.bias",
               "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+              "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+              "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
               "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
               "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
               "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
+
+# decided by the model's options: rotary/no position embedding, RMSNorm (no norm biases), no linear biases,
+# per-head query/key norms (LayerNorm: weight and bias; RMSNorm: weight)
+_GPT_OPTIONAL = ("embedding.position_embeddings.weight", "decoder.final_layernorm.bias",
+                 "input_layernorm.bias", "pre_mlp_layernorm.bias", "self_attention.linear_qkv.bias",
+                 "self_attention.linear_proj.bias", "mlp.linear_fc1.bias", "mlp.linear_fc2.bias",
+                 "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                 "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
 
 GPT = ModelFamily(
     name="GPT",
@@ -172,12 +207,15 @@ GPT = ModelFamily(
     megatron_layer=["input_layernorm.weight", "input_layernorm.bias",
                     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
                     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
                     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"],
     megatron_extra_state_layer=["self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                                 "mlp.linear_fc2"],
     megatron_extra_state_global=["output_layer"],
     shapes=_gpt_shapes,
+    optional_params=_GPT_OPTIONAL,
 )
 
 
@@ -210,6 +248,7 @@ BERT = ModelFamily(
     tp_dim=dict(GPT.tp_dim, **{"output_layer.bias": 0}),
     vocab_params=("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"),
     megatron_layer=GPT.megatron_layer,
+    optional_params=tuple(n for n in _GPT_OPTIONAL if "q_layernorm" in n or "k_layernorm" in n),
     megatron_extra_state_layer=GPT.megatron_extra_state_layer,
     megatron_extra_state_global=["output_layer"],
     shapes=_bert_shapes,

@@ -12,6 +12,9 @@ from megatron.core.fusions.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIP
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
 ATTENTION_MASK_TYPES = ("causal", "padding")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+ACTIVATIONS = ("gelu", "silu")
 
 
 @dataclass
@@ -61,17 +64,48 @@ class TransformerConfig:
     # the original BERT order: the residual branch starts from the LayerNorm's output instead of its input
     # (Megatron-LM's --apply-residual-connection-post-layernorm; docs/bert.md shows it is the post-LN BERT)
     apply_residual_connection_post_layernorm: bool = False
+    # ---- model options of the Llama family (Megatron-Core's names and defaults) ----
+    num_query_groups: Optional[int] = None  # key/value heads (grouped-query attention); None: one per query head
+    kv_channels: Optional[int] = None  # channels per attention head; None: hidden_size // num_attention_heads
+    normalization: str = "LayerNorm"  # "LayerNorm" or "RMSNorm"
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute", "rope" or "none"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0  # fraction of each head's channels that is rotated
+    rotary_interleaved: bool = False  # rotate channel pairs (2i, 2i+1) instead of (i, i + d/2)
+    rotary_seq_len_interpolation_factor: Optional[float] = None  # positions are divided by it
+    use_rope_scaling: bool = False  # Llama 3.1's frequency scaling
+    rope_scaling_factor: float = 8.0
+    gated_linear_unit: bool = False  # the MLP's first linear is [gate; up] and the activation gates the up half
+    activation: str = "gelu"  # "gelu" or "silu" (SwiGLU with gated_linear_unit)
+    add_bias_linear: bool = True  # biases on every linear layer
+    add_qkv_bias: bool = False  # a bias on the QKV linear alone (with add_bias_linear False)
+    qk_layernorm: bool = False  # normalise each head's queries and keys (the model's normalization)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                f"({self.num_attention_heads})"
-            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                    f"({self.num_attention_heads})"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                             f"--num-query-groups ({self.num_query_groups})")
+        for name, value, allowed in (("--normalization", self.normalization, NORMALIZATIONS),
+                                     ("--position-embedding-type", self.position_embedding_type,
+                                      POSITION_EMBEDDING_TYPES),
+                                     ("--activation", self.activation, ACTIVATIONS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
@@ -110,6 +144,9 @@ class TransformerConfig:
         if self.num_attention_heads % tp_size:
             raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                              f"--tensor-model-parallel-size ({tp_size})")
+        if self.num_query_groups % tp_size:
+            raise ValueError(f"--num-query-groups ({self.num_query_groups}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp_size})")
         if self.ffn_hidden_size % tp_size:
             raise ValueError(f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
                              f"--tensor-model-parallel-size ({tp_size})")
@@ -120,7 +157,3 @@ class TransformerConfig:
     def recomputes(self, module: str) -> bool:
         """True when selective recomputation covers ``module`` ("core_attn" or "mlp_act")."""
         return self.recompute_granularity == "selective" and module in self.recompute_modules
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
