@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from megatron.core.planner import load_calibration  # noqa: E402
-from megatron.core.planner.validation import compare, load_measurements, markdown, summary  # noqa: E402
+from megatron.training.plan_validation import compare, load_measurements, markdown, summary  # noqa: E402
 
 COMMON = ("--bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --cross-entropy-loss-fusion "
           "--make-vocab-size-divisible-by 128")

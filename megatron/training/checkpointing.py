@@ -23,6 +23,7 @@ from megatron.core.checkpoint_formats.reshard import layout_of
 from megatron.core.checkpoint_formats.safe_load import describe_load_error, to_plain
 from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
+from megatron.core.model_spec import spec_to_args
 from megatron.training import checkpoint_folder as cfold
 from megatron.training import checkpoint_io as cio
 from megatron.training.config import CheckpointConfig
@@ -70,6 +71,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
     elif pstate.dp_rank == 0:
         state = {
             "args": plain_args,
+            **_spec_entry(model),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "consumed_train_samples": consumed_train_samples,
@@ -103,6 +105,12 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
             cfold.prune_checkpoints(cfg.save, cfg.keep_last_checkpoints, iteration)
     _barrier()
     return path
+
+
+def _spec_entry(model) -> dict:
+    """``{"model_spec": the running model's ModelSpec as a plain dict}`` (empty for a model without a config)."""
+    config = getattr(getattr(model[0], "module", model[0]), "config", None)
+    return {formats.SPEC_KEY: config.spec.to_dict()} if hasattr(config, "spec") else {}
 
 
 def _megatron_layout_files(iteration: int, model, optim_state, scheduler, cfg: CheckpointConfig,
@@ -185,6 +193,11 @@ def read_saved_args(root: str) -> dict:
     saved = state.get("args")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} holds no stored arguments")
+    if isinstance(state.get(formats.SPEC_KEY), dict):  # the stored model description, as the flags that give it
+        try:
+            return {**saved, **spec_to_args(formats.spec_from_saved({formats.SPEC_KEY: state[formats.SPEC_KEY]}))}
+        except formats.CheckpointFormatError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     return dict(saved)
 
 

@@ -13,6 +13,7 @@ checkpoints give their model weights (``megatron_dist.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any, Dict, Optional, Tuple
 
@@ -20,14 +21,15 @@ import numpy as np
 import torch
 
 from megatron.core.checkpoint_formats import optimizer_state as optim
-from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
-                                                     rank_dir, rank_files, read_tracker,
+from megatron.core.checkpoint_formats.common import (FILE, SPEC_KEY, LoadedCheckpoint, atomic_save, chunk_keys,
+                                                     model_chunks, rank_dir, rank_files, read_tracker, spec_from_saved,
                                                      to_family_order, write_tracker)
 from megatron.core.checkpoint_formats.distrib_optim import (distributed_optimizer_groups, hyper_from_distributed,
                                                              own_bucket_names, read_distrib_optim,
                                                              write_distrib_optim)
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily, check_supported_args
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
+from megatron.core.model_spec import spec_to_args
 
 CHECKPOINT_VERSION = 3.0
 DISTRIB_OPTIM = "distrib_optim.pt"
@@ -235,17 +237,17 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
     """An ``argparse.Namespace`` of the run's flags as Megatron-LM saves them: the model sizes and layout it checks
     on resume (``check_checkpoint_args``), ``consumed_train_samples``; ``extra`` adds or overrides fields."""
     plain = {k: v for k, v in args.items() if not (isinstance(v, str) and v.startswith(("ModelType.", "AttnBackend.")))}
+    # the model as the arguments describe it (a stored spec, or the flags), with the sizes of the model written
+    sizes = dict(num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_attention_heads,
+                 ffn_hidden_size=dims.ffn_hidden_size, max_position_embeddings=dims.max_position_embeddings,
+                 seq_length=dims.seq_length or dims.max_position_embeddings, norm_epsilon=dims.layernorm_epsilon,
+                 apply_layernorm_1p=dims.apply_layernorm_1p,
+                 untie_embeddings_and_output_weights=not dims.tied_embeddings)
+    spec = dataclasses.replace(spec_from_saved({**args, **sizes}), padded_vocab_size=dims.padded_for(tp))
+    plain.pop(SPEC_KEY, None)
+    plain.update(spec_to_args(spec))
     plain.update(
-        num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size,
-        num_attention_heads=dims.num_attention_heads, kv_channels=dims.hidden_size // dims.num_attention_heads,
-        max_position_embeddings=dims.max_position_embeddings,
-        seq_length=dims.seq_length or dims.max_position_embeddings,
-        padded_vocab_size=dims.padded_for(tp), make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
-        layernorm_epsilon=dims.layernorm_epsilon, norm_epsilon=dims.layernorm_epsilon,
-        apply_layernorm_1p=dims.apply_layernorm_1p,
-        untie_embeddings_and_output_weights=not dims.tied_embeddings, position_embedding_type="learned_absolute",
-        normalization="LayerNorm", add_bias_linear=True, add_position_embedding=True, swiglu=False,
-        group_query_attention=False, num_query_groups=dims.num_attention_heads,
+        make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None, consumed_train_samples=consumed,
         consumed_valid_samples=int(args.get("consumed_valid_samples") or 0), iteration=iteration,

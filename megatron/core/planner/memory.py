@@ -98,7 +98,9 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str) -> floa
     Full recomputation keeps the layer input only: 2sbh /t*.
     """
     s, b, h, a, f, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.num_attention_heads, \
-        shape.ffn, layout.tp
+        shape.ffn_hidden_size, layout.tp
+    qkv = shape.query_projection_size + 2 * shape.kv_projection_size  # grouped-query attention: fewer k, v
+    glu = 2 if shape.gated_linear_unit else 1  # SwiGLU: FC1 holds [gate; up]
     sp_div = t if layout.sp else 1
     act = 4 if layout.precision == "fp32" else 2  # bytes per activation element
     if mode == "full":
@@ -110,7 +112,9 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str) -> floa
     sbh, sbf = s * b * h, s * b * f
     total = 2 * act * sbh / sp_div + 2 * act * s * b * 2 / sp_div  # LayerNorm inputs and statistics
     total += (2 if fp8 else 2 * act) * sbh  # LayerNorm outputs (gathered under SP)
-    total += 3 * act * sbh / t  # q, k, v
+    total += act * s * b * qkv / t  # q, k, v
+    if shape.qk_layernorm:
+        total += act * s * b * (shape.query_projection_size + shape.kv_projection_size) / t  # the q, k norm inputs
     if fp8:
         total += sbh / t + (0 if core else act * sbh / t)  # 1-byte projection input; 16-bit attention output
     else:
@@ -120,13 +124,13 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str) -> floa
             total += act * a * s * s * b / t * (3 if shape.attention_dropout > 0 else 1)
     elif not core:
         total += 4 * a * s * b / t  # flash softmax statistics, fp32
-    total += act * sbf / t  # FC1 output (the GeLU input)
+    total += act * sbf * glu / t  # FC1 output (the GeLU input; [gate; up] under SwiGLU)
     if not gelu:
         total += (1 if fp8 else act) * sbf / t  # GeLU output (the FC2 input)
     if shape.hidden_dropout > 0:
         total += 2 * act * sbh / sp_div  # two dropout masks
     if fp8:
-        total += (4 * h * h + 2 * h * f) / t  # transposed FP8 weights kept for the backward
+        total += (h * qkv + shape.query_projection_size * h + (glu + 1) * h * f) / t  # transposed FP8 weights
         total += 4 * (7 if core else 8)  # fp32 scales of the GEMM operands
     return total
 

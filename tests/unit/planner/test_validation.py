@@ -1,4 +1,4 @@
-"""bench/plan_validation.py and megatron/core/planner/validation.py: measurement records, their comparison with
+"""bench/plan_validation.py and megatron/training/plan_validation.py: measurement records, their comparison with
 the predictions of several calibrations, and the whole --run path at tiny shapes on the CPU."""
 
 import importlib.util
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from megatron.core.planner import load_calibration, predict
-from megatron.core.planner.flags import inputs_from_argv
-from megatron.core.planner.validation import compare, load_measurements, markdown, summary
+from megatron.training.plan_inputs import inputs_from_argv
+from megatron.training.plan_validation import compare, load_measurements, markdown, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
