@@ -92,7 +92,8 @@ CASES = {
     "layernorm_gelu_rope_qknorm": dict(normalization="LayerNorm", gated_linear_unit=False, activation="gelu",
                                        add_bias_linear=True, qk_layernorm=True, use_rope_scaling=False,
                                        num_query_groups=4),
-    "no_position_embedding_qkv_bias": dict(position_embedding_type="none", add_qkv_bias=True, num_query_groups=2),
+    "no_position_embedding_qkv_bias": dict(position_embedding_type="none", use_rope_scaling=False, add_qkv_bias=True,
+                                           num_query_groups=2),
 }
 
 
