@@ -3,9 +3,9 @@
 The same code serves ``tasks/main.py`` (a loaded checkpoint behind an ``InferenceEngine``) and the training
 loop's ``--eval-tasks`` (the model being trained, in place, through ``ModelChunksForward``). Both give
 ``score_samples`` a *runner*: an object with ``device``, ``pstate``, ``stage_forward(tokens, start, labels=)``
-(this rank's pipeline stage; the last stage returns vocab-parallel logits ``[b, s, V/tp]`` or, given labels,
-per-token losses ``[b, s]``; other stages return ``None``) and ``from_last_stage(t)`` (broadcast from the last
-pipeline stage).
+(a forward through the pipeline, ``pipeline_forward``; the last stage returns vocab-parallel logits
+``[b, s, V/tp]`` or, given labels, per-token losses ``[b, s]``; other stages return ``None``) and
+``from_last_stage(t)`` (broadcast from the last pipeline stage).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.inference.pipeline_forward import pipeline_forward
 from megatron.core.parallel_state import ParallelState
 
 
@@ -88,36 +89,19 @@ class ModelChunksForward:
     """A ``score_samples`` runner over this rank's model chunks as the trainer holds them (data-parallel wrappers
     around ``GPTModel`` chunks, one per virtual pipeline stage), used in place: nothing is copied or changed.
 
-    Under pipeline parallelism a batch travels chunk by chunk around the stages (stage 0 chunk 0, stage 1
-    chunk 0, ..., the last stage's chunk 0, stage 0 chunk 1, ...) with blocking sends and receives; under
-    sequence parallelism the activations between stages are the ``[s/tp, b, h]`` shards. The caller puts the
-    chunks in eval mode and disables gradients.
+    A batch goes through the trainer's own forward-only pipeline schedule (``pipeline_forward``), virtual stages
+    and sequence parallelism included. The caller puts the chunks in eval mode.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], pstate: ParallelState):
         self.chunks = list(chunks)
-        self.inner = [getattr(c, "module", c) for c in self.chunks]
         self.pstate = pstate
-        first = next(self.inner[0].parameters())
-        self.device, self.dtype = first.device, first.dtype
-        self.config = self.inner[0].config
+        self.device = next(self.chunks[0].parameters()).device
 
     def stage_forward(self, tokens: torch.Tensor, start: int = 0, labels: Optional[torch.Tensor] = None):
         b, s = tokens.shape
         positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
-        s_local = s // self.pstate.tp_size if self.config.sequence_parallel else s
-        out = None
-        for chunk, inner in zip(self.chunks, self.inner):
-            if not inner.pre_process:
-                hidden = torch.empty(s_local, b, self.config.hidden_size, dtype=self.dtype,
-                                     device=self.device)  # [s(/tp), b, h]
-                dist.recv(hidden, src=self.pstate.prev_pp_rank)
-                chunk.set_input_tensor(hidden)
-            out = chunk(tokens, positions, labels=labels if inner.post_process else None)
-            if not inner.post_process:
-                dist.send(out.contiguous(), dst=self.pstate.next_pp_rank)  # [s(/tp), b, h]
-                out = None
-        return out
+        return pipeline_forward(self.chunks, self.pstate, tokens, positions, labels=labels)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.pstate.pp_size > 1:
