@@ -157,7 +157,8 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
         seq_length=args.get("seq_length"), layernorm_epsilon=spec.layernorm_epsilon,
         apply_layernorm_1p=spec.layernorm_zero_centered_gamma,
         tied_embeddings=spec.share_embeddings_and_output_weights,
-        params_dtype=str(dtype).replace("torch.", ""))
+        params_dtype=str(dtype).replace("torch.", ""), num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels, gated_linear_unit=spec.gated_linear_unit)
 
 
 def to_family_order(chunk: Dict[str, torch.Tensor], family: ModelFamily, megatron: bool) -> Dict[str, torch.Tensor]:
