@@ -12,10 +12,11 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.checkpoint_formats.common import SPEC_KEY
 from megatron.core.checkpoint_formats.hf_llama import from_hf_llama
-from megatron.core.inference import save_gpt_checkpoint
+from megatron.core.inference import InferenceEngine, SamplingParams, load_gpt_for_inference, save_gpt_checkpoint
 from megatron.core.model_spec import ModelSpec
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
@@ -99,3 +100,27 @@ def write_checkpoint(kind: str, hf, root: str, tokenizer_folder: str) -> str:
             "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_folder}
     save_gpt_checkpoint(root, 1, [ours], args)
     return root
+
+
+def cached_equals_recomputed(rank, world_size, ckpt, tp, reference):
+    """A ``run_distributed`` body (here, so that the workers do not import transformers): the checkpoint at
+    TP ``tp`` x PP ``world_size / tp`` generates ``reference``'s greedy tokens, static and dynamic decoding alike,
+    with cached log-probs equal to one uncached forward's."""
+    pstate = ParallelState.build(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world_size // tp)
+    model = load_gpt_for_inference(ckpt, pstate).model
+    attention = model.decoder.layers[0].self_attention
+    assert attention.groups_per_rank == 2 // tp  # tensor parallelism splits the query groups
+    tok_ids = reference["prompts"]
+    greedy = SamplingParams(max_new_tokens=reference["new"], greedy=True, stop_on_eod=False, logprobs=True)
+    for static in (True, False):
+        engine = InferenceEngine(model, pstate, eod=1, static_decode=static)
+        outs = engine.generate(tok_ids, greedy)
+        assert [o.generated for o in outs] == reference["generated"]
+        # every cached log-prob (prompt pass and decoding steps) against one uncached forward over the sequences
+        n = min(len(o.tokens) for o in outs)
+        tokens = torch.tensor([o.tokens[:n] for o in outs])
+        logits = engine.forward_logits(tokens)
+        if logits is not None:
+            full = F.log_softmax(logits[:, :-1, :engine.vocab_size], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+            cached = torch.tensor([o.logprobs[:n - 1] for o in outs])
+            torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)

@@ -143,7 +143,7 @@ def test_static_step_runs_the_same_ops_at_every_position(model):
     finally:
         static.cache.release()
     names = [name for name, _ in calls[0]]
-    assert names.count("aten.index_copy_.default") == 2 * shape.num_layers  # each layer's key and value written in place
+    assert names.count("aten.index_copy_.default") == 2 * shape.num_layers  # keys and values written in place
     assert calls[0] == calls[1] == calls[2]
     assert not [name for name, _ in calls[0] if "_local_scalar_dense" in name or "item" in name]
     # the dynamic step, for contrast, changes its shapes with the position
