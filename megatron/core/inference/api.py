@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.start_token import with_start_token
 
 
 class RequestError(ValueError):
@@ -101,9 +102,12 @@ def _prompt_list(value: Any, key: str, limits: Limits) -> List[str]:
 def _tokenize(texts: List[str], tokenizer, add_bos: bool, max_new: int, limits: Limits, key: str):
     prompts = []
     for i, text in enumerate(texts):
-        ids = ([tokenizer.eod] if add_bos else []) + tokenizer.tokenize(text)
+        ids = tokenizer.tokenize(text)
+        if add_bos:  # the beginning-of-text token, or the end-of-document one for tokenizers without it
+            ids = with_start_token(tokenizer, ids)
         if not ids:
-            raise RequestError(f"{key}[{i}] is empty (give text, or add_BOS to start from the end-of-document token)")
+            raise RequestError(f"{key}[{i}] is empty (give text, or add_BOS to start from the beginning-of-text "
+                               "token)")
         _check_length(len(ids), max_new, limits, f"{key}[{i}]")
         prompts.append(ids)
     return prompts

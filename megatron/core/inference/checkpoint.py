@@ -85,9 +85,6 @@ def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
     try:
         config = TransformerConfig.from_spec(spec, attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
                                              attention_backend=attention_backend, gradient_accumulation_fusion=False)
-        if config.num_query_groups != config.num_attention_heads:
-            raise ValueError(f"--num-query-groups {config.num_query_groups}: the KV cache holds one key/value head "
-                             "per query head")
         return config
     except ValueError as exc:
         raise CheckpointLoadError(f"the stored model: {exc}") from None

@@ -3,9 +3,11 @@ parallelism.
 
 Every rank of the model-parallel group runs the same calls with the same arguments. Under tensor parallelism the
 vocab-parallel logits are all-gathered so each rank sees the full vocabulary, and the chosen tokens are broadcast
-from the group's first rank. Under pipeline parallelism each stage receives the previous stage's activations,
-runs its layers (with their own KV cache) and sends its output on; the last stage samples, and the chosen tokens
-(and at the end the log-probs) are broadcast from it to every stage, so that all ranks continue identically.
+from the group's first rank. Under pipeline parallelism every forward runs through the trainer's pipeline
+schedule (``pipeline_forward``): each stage receives the previous stage's activations, runs its layers (their keys
+and values in this rank's KV cache, ``kv_cache.KVCache``, the inference context of the forward) and sends its
+output on; the last stage samples, and the chosen tokens (and at the end the log-probs) are broadcast from it to
+every stage, so that all ranks continue identically.
 
 The prompt pass runs the model once over the shortest prompt. Each later position is one static decoding step
 (``decode_step.py``): the same shapes at every position, replayed from a CUDA graph on CUDA at pipeline size 1
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.collectives import backend_of
 from megatron.core.inference.decode_step import StaticDecodeStep, static_capacity
-from megatron.core.inference.kv_cache import attention_shape, cache_device, cache_dtype, install_kv_cache
+from megatron.core.inference.kv_cache import KVCache, attention_shape, cache_device, cache_dtype
+from megatron.core.inference.pipeline_forward import pipeline_forward
 from megatron.core.inference.sampling import SamplingParams, sample_next
 from megatron.core.parallel_state import ParallelState
 
@@ -75,7 +78,7 @@ class InferenceEngine:
         self.eod = eod if eod is not None else (tokenizer.eod if tokenizer is not None else None)
         self.max_length = model.config.max_position_embeddings
         self.device = cache_device(model)
-        self.cache = install_kv_cache(model)
+        self.cache = KVCache()  # the inference context of this engine's cached forwards
         self.static_decode = bool(static_decode)
         self.use_cuda_graph = self._graph_choice(use_cuda_graph)
         if max_decode_steps < 1:
@@ -121,30 +124,22 @@ class InferenceEngine:
     # ---- forward passes ------------------------------------------------------------------------------
     @torch.no_grad()
     def stage_forward(self, tokens: torch.Tensor, start: int = 0, labels: Optional[torch.Tensor] = None,
-                      positions: Optional[torch.Tensor] = None):
-        """Run this rank's stage on ``tokens [b, s]`` at positions ``start ..`` (or the device tensor
-        ``positions [b, s]``): the last stage returns the model's output (vocab-parallel logits ``[b, s, V/tp]``,
-        or per-token losses ``[b, s]`` given ``labels``), the other stages send their activations on and return
-        ``None``."""
+                      positions: Optional[torch.Tensor] = None, cached: bool = False):
+        """Run ``tokens [b, s]`` at positions ``start ..`` (or the device tensor ``positions [b, s]``) through the
+        pipeline (``pipeline_forward``): the last stage returns the model's output (vocab-parallel logits
+        ``[b, s, V/tp]``, or per-token losses ``[b, s]`` given ``labels``), the other stages ``None``.
+        ``cached``: the tokens follow those in the engine's KV cache, and their keys and values join it."""
         b, s = tokens.shape
         if positions is None:
             positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
-        if not self.first_stage:
-            hidden = torch.empty(s, b, self.model.config.hidden_size, dtype=cache_dtype(self.model),
-                                 device=self.device)  # [s, b, h]
-            dist.recv(hidden, src=self.pstate.prev_pp_rank)
-            self.model.set_input_tensor(hidden)
-        out = self.model(tokens, positions, labels=labels)
-        if not self.last_stage:
-            dist.send(out.contiguous(), dst=self.pstate.next_pp_rank)  # [s, b, h]
-            return None
-        return out
+        return pipeline_forward([self.model], self.pstate, tokens, positions, labels=labels,
+                                inference_context=self.cache if cached else None)
 
     def _logits(self, tokens: torch.Tensor, start: int, last_only: bool = False,
-                positions: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                positions: Optional[torch.Tensor] = None, cached: bool = True) -> Optional[torch.Tensor]:
         """Full-vocabulary float32 logits ``[b, s, V_padded]`` (``[b, 1, V_padded]`` for the last position only)
         on the last stage, ``None`` elsewhere."""
-        logits = self.stage_forward(tokens, start, positions=positions)  # [b, s, V/tp]
+        logits = self.stage_forward(tokens, start, positions=positions, cached=cached)  # [b, s, V/tp]
         if logits is None:
             return None
         if last_only:
@@ -155,8 +150,7 @@ class InferenceEngine:
     def forward_logits(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits of a whole batch ``[b, s]`` recomputed without the cache (the reference path); under pipeline
         parallelism only the last stage gets them (``None`` elsewhere)."""
-        self.cache.release()
-        return self._logits(tokens.to(self.device), 0)
+        return self._logits(tokens.to(self.device), 0, cached=False)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast ``t`` from the last pipeline stage to every stage (in place; identity without PP)."""
@@ -223,8 +217,7 @@ class InferenceEngine:
             step = self._decode_step(b, total)
             step.bind()
         else:
-            n_layers, heads, head_dim = attention_shape(self.model)
-            self.cache.allocate(n_layers, b, heads, total, head_dim, cache_dtype(self.model), self.device)
+            self.cache.allocate(attention_shape(self.model), b, total, cache_dtype(self.model), self.device)
         try:
             prev, cur = 0, min_len
             while True:

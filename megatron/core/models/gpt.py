@@ -114,7 +114,12 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                inference_context=None):
+        """``input_ids``, ``position_ids`` ``[b, s]`` -> vocab-parallel logits ``[b, s, V/tp]`` (last stage; per-token
+        losses ``[b, s]`` given ``labels``) or the activations ``[s(/tp), b, h]`` for the next stage.
+        ``inference_context``: the key/value cache of incremental decoding (``inference.kv_cache.KVCache``); the
+        tokens then sit at the positions ``position_ids`` after the cached ones."""
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)  # [s(/tp), b, h]
         else:
@@ -125,7 +130,7 @@ class GPTModel(nn.Module):
         if self.rotary_pos_emb is not None:
             seq = hidden.shape[0] * (self.pstate.tp_size if self.config.sequence_parallel else 1)
             rotary = self.rotary_pos_emb(self.rotary_pos_emb.positions(seq, position_ids, hidden.device))
-        hidden = self.decoder(hidden, rotary_pos_emb=rotary)
+        hidden = self.decoder(hidden, rotary_pos_emb=rotary, inference_context=inference_context)
         if not self.post_process:
             return hidden
         return self._output(hidden, labels)

@@ -132,11 +132,13 @@ class SelfAttention(nn.Module):
         self.use_fused_rope = config.use_fused_kernels
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary_pos_emb: torch.Tensor | None = None):
+                rotary_pos_emb: torch.Tensor | None = None, kv_cache=None):
         """hidden ``[s(/tp under SP), b, h]`` -> (output ``[s(/tp), b, h]``, projection bias or None).
 
         ``attention_mask``: optional bool key-padding mask ``[b, 1, 1, s]`` (True = masked out), padding type only.
         ``rotary_pos_emb``: rotary angles ``[s, 1, 1, r]`` applied to queries and keys, or None.
+        ``kv_cache``: this layer's key/value cache during incremental decoding (``inference.kv_cache.LayerKV``):
+        its ``attend(q, k, v)`` stores the new keys and values and attends over every cached position.
         """
         qkv, _ = self.linear_qkv(hidden)  # [s, b, (n + 2g)/tp * d]
         s, b, _ = qkv.shape
@@ -149,7 +151,11 @@ class SelfAttention(nn.Module):
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb, self.config.rotary_interleaved, use_fused=self.use_fused_rope)
             k = apply_rotary_pos_emb(k, rotary_pos_emb, self.config.rotary_interleaved, use_fused=self.use_fused_rope)
-        if self.recompute_core and self.training:
+        if kv_cache is not None:
+            if attention_mask is not None:
+                raise ValueError("KV-cached decoding runs causal models only; a padding mask was given")
+            ctx = kv_cache.attend(q, k, v)  # [s, b, n/tp * d]
+        elif self.recompute_core and self.training:
             ctx = tensor_parallel.checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
             ctx = self.core_attention(q, k, v, attention_mask)  # [s, b, n/tp * d]

@@ -70,13 +70,18 @@ class TransformerBlock(nn.Module):
         return self._layer_fns[i](hidden, attention_mask)
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+                rotary_pos_emb: Optional[torch.Tensor] = None, inference_context=None) -> torch.Tensor:
         """``attention_mask``: optional bool key-padding mask ``[b, 1, 1, s]`` (True = masked out), handed to every
         layer (``config.attention_mask_type == "padding"`` only); ``rotary_pos_emb``: the rotary angles
-        ``[s, 1, 1, r]`` every layer applies to its queries and keys, or None."""
+        ``[s, 1, 1, r]`` every layer applies to its queries and keys, or None; ``inference_context``: the
+        key/value cache of incremental decoding (``inference.kv_cache.KVCache``), whose ``layer(i)`` is the cache
+        of this stage's layer ``i``."""
         n_layers = len(self.layers)
         cfg = self.config
-        if cfg.recompute_granularity == "full" and self.training and n_layers > 0:
+        if inference_context is not None:
+            for i, layer in enumerate(self.layers):
+                hidden = layer(hidden, attention_mask, rotary_pos_emb, inference_context.layer(i))
+        elif cfg.recompute_granularity == "full" and self.training and n_layers > 0:
             n = cfg.recompute_num_layers or 1
             if cfg.recompute_method == "uniform":
                 for start in range(0, n_layers, n):

@@ -45,13 +45,14 @@ class TransformerLayer(nn.Module):
         return layernorm.with_residual(hidden)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         """``attention_mask``: optional bool key-padding mask ``[b, 1, 1, s]`` (True = masked out); only with
         ``config.attention_mask_type == "padding"``. ``rotary_pos_emb``: the rotary angles ``[s, 1, 1, r]``
-        (``rope.RotaryEmbedding``) with ``position_embedding_type == "rope"``."""
+        (``rope.RotaryEmbedding``) with ``position_embedding_type == "rope"``. ``kv_cache``: the layer's key/value
+        cache while decoding incrementally (``SelfAttention.forward``)."""
         p, fused = self.config.hidden_dropout, self.config.use_fused_kernels and self.config.bias_dropout_fusion
         normed, residual = self._norm(self.input_layernorm, hidden)
-        attn_out, attn_bias = self.self_attention(normed, attention_mask, rotary_pos_emb)
+        attn_out, attn_bias = self.self_attention(normed, attention_mask, rotary_pos_emb, kv_cache)
         with self._dropout_rng():
             hidden = bias_dropout_add(attn_out, attn_bias, residual, p, self.training, use_fused=fused)
         normed, residual = self._norm(self.pre_mlp_layernorm, hidden)

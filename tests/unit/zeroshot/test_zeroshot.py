@@ -30,9 +30,12 @@ def setup(tmp_path_factory):
     return ckpt, tok, to_hf_gpt2(tiny_model(args))
 
 
+GPT2_VOCAB = 50257  # the tokenizer's ids: scores leave the embedding's padding rows out
+
+
 def _hf_logits(hf, ids):
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].double()  # [s, V]
+        return hf(torch.tensor([ids])).logits[0, :, :GPT2_VOCAB].double()  # [s, V] over the real vocabulary
 
 
 def reference_wikitext(hf, tok, path, seq, stride):
