@@ -1,7 +1,7 @@
 """Resume is bit-exact with dropout on in every parallel layout: tensor parallelism with sequence parallelism
-(dropout in the sequence-split regions), pipeline parallelism, data parallelism with the distributed optimizer
-in bf16 (sharded fp32 main weights), and a Llama-shaped model (RMSNorm, SwiGLU, grouped-query attention, RoPE
-with Llama 3.1 scaling, untied output layer, no biases) in one process and under TP2 with SP and PP2.
+(dropout in the sequence-split regions), pipeline parallelism and one process, all three with a Llama-shaped model
+(RMSNorm, SwiGLU, grouped-query attention, RoPE with Llama 3.1 scaling, untied output layer, no biases), and data
+parallelism with the distributed optimizer in bf16 (sharded fp32 main weights) with a GPT-2-shaped one.
 
 One launch trains each layout twice: 6 iterations uninterrupted, then the same run stopped by
 ``--exit-interval 3`` after its checkpoint save. A second launch loads that checkpoint and trains iterations 4
@@ -19,11 +19,10 @@ from tests.functional.test_llama_parallel_equivalence import LLAMA
 
 TRAIN_ITERS, STOP = 6, 3
 LAYOUTS = {  # name: (processes, flags)
-    "tp2_sp": (2, dict(tp=2, tensor_model_parallel_size=2, sequence_parallel=True)),
-    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "llama_tp2_sp": (2, dict(LLAMA, tp=2, sequence_parallel=True)),
+    "llama_pp2": (2, dict(LLAMA, pipeline_model_parallel_size=2)),
     "dp2_distopt_bf16": (2, dict(use_distributed_optimizer=True, bf16=True)),
     "llama_one_process": (1, dict(LLAMA)),
-    "llama_tp2_sp_pp2": (4, dict(LLAMA, tp=2, sequence_parallel=True, pipeline_model_parallel_size=2)),
 }
 
 
