@@ -35,10 +35,9 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.datasets.finetune_data import TASKS, FinetuneDataError, build_dataset, read_examples
 from megatron.core.models.bert_heads import PRETRAINING_HEADS, BertFinetuneModel
-from megatron.core.models.bert import initialize_bert_parameters
-from megatron.core.pipeline_parallel.partition import stage_chunks
 from megatron.training import checkpointing
-from megatron.training.config import ExtraSection, transformer_config
+from megatron.training.bert_chunks import build_bert_chunks
+from megatron.training.config import ExtraSection
 from megatron.training.flag_table import ConfigError, SharedError
 from megatron.training.setup import (build_context, build_model, job_environment, load_checkpoint_if_any,
                                      print_rank_0, print_rank_last)
@@ -147,19 +146,11 @@ FINETUNE = ExtraSection("finetune", FinetuneConfig, add_finetune_arguments, vali
 # ---- the model ---------------------------------------------------------------------------------------------
 def model_provider(ctx) -> List[BertFinetuneModel]:
     """This rank's chunks with the task's head, initialised layout-independently."""
-    m, par, pstate, ft = ctx.config.model, ctx.config.parallel, ctx.pstate, ctx.config.extra["finetune"]
-    config = replace(transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size),
-                     attention_mask_type="padding",
-                     apply_residual_connection_post_layernorm=ft.apply_residual_connection_post_layernorm)
-    chunks = []
-    for c in stage_chunks(m.num_layers, pstate, par.decoder_first_pipeline_num_layers,
-                          par.decoder_last_pipeline_num_layers):
-        model = BertFinetuneModel(config, pstate, num_classes=TASKS[ft.task], multiple_choice=ft.task == "RACE",
-                                  pre_process=c.pre_process, post_process=c.post_process, num_layers=c.num_layers,
-                                  layer_offset=c.layer_offset, use_torch_compile=m.use_torch_compile)
-        initialize_bert_parameters(model, ctx.config.training.seed, config, pstate, layer_offset=c.layer_offset)
-        chunks.append(model)
-    return chunks
+    ft = ctx.config.extra["finetune"]
+    return build_bert_chunks(ctx, ft.apply_residual_connection_post_layernorm, lambda config, c: BertFinetuneModel(
+        config, ctx.pstate, num_classes=TASKS[ft.task], multiple_choice=ft.task == "RACE",
+        pre_process=c.pre_process, post_process=c.post_process, num_layers=c.num_layers,
+        layer_offset=c.layer_offset, use_torch_compile=ctx.config.model.use_torch_compile))
 
 
 def load_pretrained(chunks: List[torch.nn.Module], root: str, ctx) -> List[str]:

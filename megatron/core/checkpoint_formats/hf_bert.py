@@ -109,6 +109,21 @@ def _write_tokenizer(out_dir: str, vocab_file: str, vocab_size: int, lower_case:
         json.dump(_SPECIAL, f, indent=2)
 
 
+def _pad_id(vocab_file: Optional[str]) -> Optional[int]:
+    tokens = read_wordpiece_vocab(vocab_file) if vocab_file else []
+    return tokens.index("[PAD]") if "[PAD]" in tokens else None
+
+
+def _write_model_folder(model, out_dir: str, dims: ModelDims, vocab_file: Optional[str], lower_case: bool) -> List[str]:
+    """Save the transformers ``model`` in the checkpoint's dtype, then the tokenizer files; the folder's files."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    if vocab_file:
+        _write_tokenizer(out_dir, vocab_file, dims.vocab_size, lower_case, dims.max_position_embeddings)
+    return sorted(os.listdir(out_dir))
+
+
 def save_hf_bert(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, post_ln: bool,
                  vocab_file: Optional[str] = None, lower_case: bool = True,
                  dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> List[str]:
@@ -118,10 +133,7 @@ def save_hf_bert(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, p
 
     hf_sd = to_hf_bert(full, dims, post_ln)
     binary = "binary_head.weight" in full
-    pad_id = None
-    if vocab_file:
-        tokens = read_wordpiece_vocab(vocab_file)
-        pad_id = tokens.index("[PAD]") if "[PAD]" in tokens else None
+    pad_id = _pad_id(vocab_file)
     cfg = hf_bert_config(dims, post_ln, binary, pad_id, dropout, init_std)
     arch = cfg.pop("architectures")[0]
     cfg.pop("model_type")
@@ -134,12 +146,7 @@ def save_hf_bert(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, p
         raise CheckpointFormatError(f"BERT export does not fit transformers' {arch}: missing {missing[:3]}, "
                                     f"unexpected {unexpected[:3]}")
     model.tie_weights()
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
-    os.makedirs(out_dir, exist_ok=True)
-    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
-    if vocab_file:
-        _write_tokenizer(out_dir, vocab_file, dims.vocab_size, lower_case, dims.max_position_embeddings)
-    return sorted(os.listdir(out_dir))
+    return _write_model_folder(model, out_dir, dims, vocab_file, lower_case)
 
 
 # fine-tuned heads -> (Hugging Face head name, class suffix)
@@ -165,10 +172,7 @@ def save_hf_bert_finetuned(out_dir: str, full: Dict[str, torch.Tensor], dims: Mo
     state = {k: (v + one if _is_norm_weight(k) else v) for k, v in full.items()}
     hf_sd = encoder_to_hf_bert(state, dims.num_layers, dims.num_attention_heads, dims.vocab_size, post_ln)
     hf_sd["classifier.weight"], hf_sd["classifier.bias"] = full[f"{head}.weight"], full[f"{head}.bias"]
-    pad_id = None
-    if vocab_file:
-        tokens = read_wordpiece_vocab(vocab_file)
-        pad_id = tokens.index("[PAD]") if "[PAD]" in tokens else None
+    pad_id = _pad_id(vocab_file)
     cfg = hf_bert_config(dims, post_ln, True, pad_id, dropout, init_std)
     cfg.pop("architectures"), cfg.pop("model_type"), cfg.pop("tie_word_embeddings")
     if head == "classification_head":
@@ -180,12 +184,7 @@ def save_hf_bert_finetuned(out_dir: str, full: Dict[str, torch.Tensor], dims: Mo
     if missing or unexpected:
         raise CheckpointFormatError(f"fine-tuned BERT export does not fit transformers' {arch}: missing "
                                     f"{missing[:3]}, unexpected {unexpected[:3]}")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
-    os.makedirs(out_dir, exist_ok=True)
-    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
-    if vocab_file:
-        _write_tokenizer(out_dir, vocab_file, dims.vocab_size, lower_case, dims.max_position_embeddings)
-    return sorted(os.listdir(out_dir))
+    return _write_model_folder(model, out_dir, dims, vocab_file, lower_case)
 
 
 # ---- import -----------------------------------------------------------------------------------------------------
