@@ -176,3 +176,40 @@ def test_first_iteration_loss_equals_hugging_face_from_minilm(tmp_path):
     hf = hf_train(model, ds, seed=1234, epochs=1, global_batch=16, lr=5e-5, warmup_fraction=0.1,
                   weight_decay=0.01, micro_batch=8, max_iters=1)
     assert abs(ours[1]["lm loss"] - hf[0]) < 1e-5, (ours[1]["lm loss"], hf[0])
+
+
+def test_race_multiple_choice_pipeline_equals_one_process(tmp_path):
+    """RACE (four sequences per question, scored one logit each) at PP 2 equals one process; the validation
+    folder's high/ and middle/ passages are all counted."""
+    rng = np.random.RandomState(1)
+    words = [f"w{i}" for i in range(60)]
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n")
+
+    def passage(path, n):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        qs = [" ".join(rng.choice(words, 4)) + (" _ ." if q % 2 else " ?") for q in range(n)]
+        opts = [[" ".join(rng.choice(words, 3)) for _ in range(4)] for _ in range(n)]
+        path.write_text(json.dumps({"article": " ".join(rng.choice(words, 30)), "questions": qs, "options": opts,
+                                    "answers": ["ABCD"[rng.randint(4)] for _ in range(n)]}))
+    for i in range(4):
+        passage(tmp_path / "train" / f"{i}.txt", 4)
+    for level in ("high", "middle"):
+        for i in range(2):
+            passage(tmp_path / "dev" / level / f"{i}.txt", 3)
+    argv = ["--task", "RACE", "--train-data", str(tmp_path / "train"), "--valid-data", str(tmp_path / "dev"),
+            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--epochs", "1",
+            "--lr", "3e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--vocab-file",
+            str(tmp_path / "vocab.txt"), "--log-interval", "1", "--attention-backend", "unfused"]
+    ref_out = run_pretrain(argv, script="tasks/main.py", timeout=300).stdout
+    ref = parse_iterations(ref_out)
+    assert sorted(ref) == [1, 2, 3, 4]
+    acc = _accuracies(ref_out)
+    assert [(name, total) for _, name, _, total in acc] == [("dev", 12)]
+    out = run_pretrain(argv + ["--pipeline-model-parallel-size", "2"], nproc=2, script="tasks/main.py",
+                       timeout=300).stdout
+    got = parse_iterations(out)
+    for it in ref:
+        for key in ("lm loss", "grad norm"):
+            assert got[it][key] == pytest.approx(ref[it][key], rel=1e-5, abs=1e-6), (it, key)
+    assert _accuracies(out) == acc

@@ -72,7 +72,7 @@ def _tsv_rows(path: str):
 def read_mnli(path: str) -> List[RawExample]:
     rows = _tsv_rows(path)
     is_test = len(rows[0]) == 10
-    if not is_test and (len(rows[0]) < 12 or rows[0][8] != "sentence1" or rows[0][9] != "sentence2"):
+    if not is_test and (len(rows[0]) < 11 or rows[0][8] != "sentence1" or rows[0][9] != "sentence2"):
         raise FinetuneDataError(f"{path}: not a GLUE MNLI file (expected columns 8, 9 sentence1, sentence2 and the "
                                 f"label last; the header has {len(rows[0])} columns)")
     out = []
