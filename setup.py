@@ -11,6 +11,7 @@ setup(
         "numpy>=1.24",
         "regex",
         "tokenizers>=0.15",
+        "sentencepiece>=0.1.99",
         "tiktoken>=0.5",  # optional accelerator of GPT-2 preprocessing (ids identical without it)
         "tensorboard",
         "safetensors",

@@ -4,13 +4,16 @@ For each kernel (bias+GeLU forward and backward, bias+dropout+add forward, Layer
 each model shape of bench/gpu_throughput.py, time every candidate configuration with ``triton.testing.do_bench``
 and report the best next to the current default, PyTorch eager and the memory-bandwidth floor.
 
-    python bench/kernel_sweep.py [--only elementwise|layer_norm|fp8|colsum] [--out bench/results/kernel_sweep.json]
+    python bench/kernel_sweep.py [--only elementwise|layer_norm|fp8|colsum|llama] [--out bench/results/kernel_sweep.json]
 
 The defaults live in ``TILE_CONFIG`` (megatron/core/fusions/_triton_elementwise.py), ``LN_CONFIG``
 (_triton_layer_norm.py), ``AMAX_CONFIG`` and ``CAST_CONFIG`` (_triton_fp8.py) and ``COLSUM_CONFIG``
 (_triton_elementwise.py). ``--only fp8`` sweeps the FP8 amax and cast kernels on the GEMM-input shapes; ``--only
 colsum`` the column sum of the bias gradients on the [tokens, hidden] and [tokens, 3 * hidden] gradients of each
-shape, next to PyTorch's ``x.sum(0)``. For each configuration table the script prints (and writes at the end of the
+shape, next to PyTorch's ``x.sum(0)``; ``--only llama`` the Llama-family kernels next to their eager PyTorch references:
+SwiGLU forward and backward (``TILE_CONFIG["swiglu_*"]``) on ``[tokens, 2 * ffn]``, the rotary embedding
+(``ROPE_CONFIG``, _triton_rope.py) on the queries ``[s, b, heads, 128]`` and RMSNorm forward and forward + backward
+(the LayerNorm kernels' ``LN_CONFIG``, which the sweep reports for RMSNorm but does not choose from). For each configuration table the script prints (and writes at the end of the
 Markdown file) the candidate with the lowest summed slowdown over the swept tensors as the assignment to put in
 the source, and for the LayerNorm also ``min_width``, the narrowest swept row length at which the chosen
 configuration beat PyTorch's LayerNorm (forward + backward). It never edits the library: a new default is a
@@ -80,6 +83,18 @@ def sweep_ln(key: str, candidates: list, fn) -> dict:
     return {"default": list(default), "default_ms": bench(fn), "results": results}
 
 
+def sweep_row(shape_name: str, op: str, sweep: dict, eager_fn, nbytes: int, key) -> dict:
+    """The result row of one swept kernel (``sweep`` as ``sweep_tiled`` returns it), timing ``eager_fn`` (the
+    PyTorch alternative, or None) too; printed as it is made."""
+    best = min(sweep["results"], key=lambda r: r["ms"])
+    r = {"shape": shape_name, "op": op, "default": sweep["default"], "default_ms": sweep["default_ms"],
+         "best": best["config"], "best_ms": best["ms"], "eager_ms": bench(eager_fn) if eager_fn is not None else None,
+         "floor_ms": nbytes / BANDWIDTH * 1e3, "all": sweep["results"], "key": key}
+    print(f"{shape_name} {op}: default {r['default']} {r['default_ms']:.4f} ms, best {r['best']} "
+          f"{r['best_ms']:.4f} ms, eager {r['eager_ms']}, floor {r['floor_ms']:.4f}", flush=True)
+    return r
+
+
 def run(shape_name: str, only: str = "") -> list:
     from megatron.core.fusions import _triton_elementwise as E
     from megatron.core.fusions._triton_layer_norm import LayerNormFunction
@@ -90,14 +105,7 @@ def run(shape_name: str, only: str = "") -> list:
     rows = []
 
     def add(op, sweep, eager_fn, nbytes, key=None):
-        best = min(sweep["results"], key=lambda r: r["ms"])
-        rows.append({"shape": shape_name, "op": op, "default": sweep["default"], "default_ms": sweep["default_ms"],
-                     "best": best["config"], "best_ms": best["ms"],
-                     "eager_ms": bench(eager_fn) if eager_fn is not None else None,
-                     "floor_ms": nbytes / BANDWIDTH * 1e3, "all": sweep["results"], "key": key})
-        r = rows[-1]
-        print(f"{shape_name} {op}: default {r['default']} {r['default_ms']:.4f} ms, best {r['best']} "
-              f"{r['best_ms']:.4f} ms, eager {r['eager_ms']}, floor {r['floor_ms']:.4f}", flush=True)
+        rows.append(sweep_row(shape_name, op, sweep, eager_fn, nbytes, key))
 
     x = torch.randn(tokens, 4 * h, device=dev, dtype=dt, generator=g)
     b = torch.randn(4 * h, device=dev, dtype=dt, generator=g)
@@ -133,6 +141,22 @@ def run(shape_name: str, only: str = "") -> list:
     return rows
 
 
+def sweep_dict(module, key: str, candidates: list, fn) -> dict:
+    """Time ``fn`` with each candidate dict in ``module.<key>`` (restored afterwards)."""
+    cfg = getattr(module, key)
+    default = dict(cfg)
+    results = []
+    try:
+        for cand in candidates:
+            cfg.clear()
+            cfg.update(cand)
+            results.append({"config": cand, "ms": bench(fn)})
+    finally:
+        cfg.clear()
+        cfg.update(default)
+    return {"default": default, "default_ms": bench(fn), "results": results}
+
+
 AMAX_CANDIDATES = [{"block": b, "programs_per_sm": p, "num_warps": w}
                    for b in (2048, 4096, 8192, 16384) for p in (2, 4, 8, 16) for w in (4, 8)]
 CAST_CANDIDATES = [{"block_m": m, "block_n": n, "num_warps": w}
@@ -154,23 +178,8 @@ def sweep_fp8(shape_name: str) -> list:
                 ("AMAX_CONFIG", AMAX_CANDIDATES, lambda: T.scales(x, torch.float8_e4m3fn, 0), 2 * x.numel()),
                 ("CAST_CONFIG", CAST_CANDIDATES, lambda: T.scaled_cast(x, scale, torch.float8_e4m3fn, True),
                  4 * x.numel())):
-            default = dict(getattr(T, key))
-            results = []
-            try:
-                for cand in cands:
-                    getattr(T, key).clear()
-                    getattr(T, key).update(cand)
-                    results.append({"config": cand, "ms": bench(fn)})
-            finally:
-                getattr(T, key).clear()
-                getattr(T, key).update(default)
-            best = min(results, key=lambda r: r["ms"])
-            rows.append({"shape": shape_name, "op": f"fp8 {key} [{m},{n}]", "default": default,
-                         "default_ms": bench(fn), "best": best["config"], "best_ms": best["ms"], "eager_ms": None,
-                         "floor_ms": nbytes / BANDWIDTH * 1e3, "all": results, "key": key})
-            r = rows[-1]
-            print(f"{shape_name} {r['op']}: default {r['default_ms']:.4f} ms, best {r['best']} {r['best_ms']:.4f} ms, "
-                  f"floor {r['floor_ms']:.4f}", flush=True)
+            rows.append(sweep_row(shape_name, f"fp8 {key} [{m},{n}]", sweep_dict(T, key, cands, fn), None, nbytes,
+                                  key))
     return rows
 
 
@@ -282,16 +291,74 @@ def layer_norm_line(choice: dict) -> str:
             f'"bwd": {tuple(choice["bwd"])}}}')
 
 
+LLAMA_FFN = {"1.3b": 5632, "124m": 2048}  # SwiGLU hidden size of a Llama-shaped model of each width
+ROPE_CANDIDATES = [{"block_m": m, "num_warps": w} for m in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)]
+
+
+def run_llama(shape_name: str) -> list:
+    """Sweep the SwiGLU, rotary-embedding and RMSNorm kernels on one model shape (bf16), next to eager PyTorch."""
+    from megatron.core.fusions import _triton_elementwise as E
+    from megatron.core.fusions import _triton_rope as R
+    from megatron.core.fusions import ops
+    from megatron.core.fusions._triton_layer_norm import LayerNormFunction
+
+    tokens, h = SHAPES[shape_name]
+    ffn, head_dim, b = LLAMA_FFN[shape_name], 128, 4
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+
+    def add(op, sweep, eager_fn, nbytes, key):
+        rows.append(sweep_row(shape_name, op, sweep, eager_fn, nbytes, key))
+
+    x = torch.randn(tokens, 2 * ffn, device=dev, dtype=dt)
+    dy = torch.randn(tokens, ffn, device=dev, dtype=dt)
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        add("swiglu fwd [t,2f]", sweep_tiled("swiglu_fwd", lambda: E.BiasSwiGLUFunction.apply(x, None)),
+            lambda: ops.swiglu_reference(x), 3 * tokens * ffn * 2, "TILE_CONFIG:swiglu_fwd")
+    add("swiglu fwd+bwd [t,2f]",
+        sweep_tiled("swiglu_bwd", lambda: torch.autograd.grad(E.BiasSwiGLUFunction.apply(xg, None), xg, dy)),
+        lambda: torch.autograd.grad(ops.swiglu_reference(xg), xg, dy), 8 * tokens * ffn * 2, "TILE_CONFIG:swiglu_bwd")
+
+    q = torch.randn(tokens // b, b, h // head_dim, head_dim, device=dev, dtype=dt)
+    inv = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=dev, dtype=torch.float32) / head_dim)
+    f = torch.outer(torch.arange(tokens // b, device=dev, dtype=torch.float32), inv)
+    freqs = torch.cat((f, f), -1)[:, None, None, :]
+    qg = q.clone().requires_grad_()
+    dq = torch.randn_like(q)
+    add("rope fwd+bwd [s,b,n,128]",
+        sweep_dict(R, "ROPE_CONFIG", ROPE_CANDIDATES,
+                   lambda: torch.autograd.grad(R.RotaryFunction.apply(qg, freqs, False), qg, dq)),
+        lambda: torch.autograd.grad(ops.apply_rotary_pos_emb_reference(qg, freqs), qg, dq), 4 * q.numel() * 2,
+        "ROPE_CONFIG")
+
+    xh = torch.randn(tokens, h, device=dev, dtype=dt)
+    w = torch.randn(h, device=dev, dtype=dt)
+    with torch.no_grad():
+        add("rms_norm fwd [t,h]", sweep_ln("fwd", LN_FWD, lambda: LayerNormFunction.apply(xh, w, None, 1e-5, False,
+                                                                                            False, True)),
+            lambda: ops.rms_norm_reference(xh, w, 1e-5), 2 * xh.numel() * 2, "LN_CONFIG:rms fwd")
+    xr, wr = xh.clone().requires_grad_(), w.clone().requires_grad_()
+    dyh = torch.randn_like(xh)
+    add("rms_norm fwd+bwd [t,h]",
+        sweep_ln("bwd", LN_BWD, lambda: torch.autograd.grad(
+            LayerNormFunction.apply(xr, wr, None, 1e-5, False, False, True), (xr, wr), dyh)),
+        lambda: torch.autograd.grad(ops.rms_norm_reference(xr, wr, 1e-5), (xr, wr), dyh), 5 * xh.numel() * 2,
+        "LN_CONFIG:rms bwd")
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="1.3b,124m")
-    p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm", "fp8", "colsum"],
+    p.add_argument("--only", default="", choices=["", "elementwise", "layer_norm", "fp8", "colsum", "llama"],
                    help="sweep only these kernels")
     p.add_argument("--out", default=None, help="JSON path; the Markdown table goes beside it "
                    "(default: bench/results/kernel_sweep[_ONLY].json)")
     a = p.parse_args()
     if a.out is None:
-        suffix = {"": "", "elementwise": "", "layer_norm": "_ln", "fp8": "_fp8", "colsum": "_colsum"}[a.only]
+        suffix = {"": "", "elementwise": "", "layer_norm": "_ln", "fp8": "_fp8", "colsum": "_colsum",
+                  "llama": "_llama"}[a.only]
         a.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"kernel_sweep{suffix}.json")
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernel_sweep.py times Triton kernels on a GPU: no CUDA device is visible")
@@ -303,6 +370,8 @@ def main():
             rows += sweep_fp8(shape)
         if a.only in ("", "colsum"):
             rows += sweep_colsum(shape)
+        if a.only in ("", "llama"):
+            rows += run_llama(shape)
     import triton
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -336,6 +405,14 @@ def main():
             cfg = _lowest_summed_slowdown(rows, f"TILE_CONFIG:{name}")
             if cfg is not None:
                 best.append(("megatron/core/fusions/_triton_elementwise.py", f'TILE_CONFIG["{name}"] = {tuple(cfg)}'))
+    if a.only in ("", "llama"):
+        for name in ("swiglu_fwd", "swiglu_bwd"):
+            cfg = _lowest_summed_slowdown(rows, f"TILE_CONFIG:{name}")
+            if cfg is not None:
+                best.append(("megatron/core/fusions/_triton_elementwise.py", f'TILE_CONFIG["{name}"] = {tuple(cfg)}'))
+        cfg = _lowest_summed_slowdown(rows, "ROPE_CONFIG")
+        if cfg is not None:
+            best.append(("megatron/core/fusions/_triton_rope.py", config_line("ROPE_CONFIG", cfg)))
     lines += ["", "Best configurations (lowest summed slowdown over the swept tensors; the library is not edited):",
               ""] + [f"- `{path}`: `{line}`" for path, line in best]
     with open(os.path.splitext(a.out)[0] + ".md", "w") as f:

@@ -32,7 +32,8 @@ def get_args(argv=None) -> PreprocessConfig:
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None, help="vocab.json (GPT-2) or vocab.txt (BERT)")
     g.add_argument("--merge-file", default=None, help="merges.txt (GPT-2)")
-    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json, or its directory (HuggingFaceTokenizer)")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json, or its directory (HuggingFaceTokenizer); a "
+                   "SentencePiece .model (SentencePieceTokenizer, Llama2Tokenizer)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer: ids 0..N-1 written as decimal numbers, end of document N")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")

@@ -138,12 +138,15 @@ def _data(p: argparse.ArgumentParser) -> None:
                    help="train on synthetic random tokens instead of --data-path (benchmarks, smoke tests)")
     g.add_argument("--tokenizer-type", default=None,
                    help="GPT2BPETokenizer (default), BertWordPieceLowerCase, BertWordPieceCase, "
-                        "HuggingFaceTokenizer or NullTokenizer (ids in, ids out; needs --vocab-size)")
+                        "HuggingFaceTokenizer, SentencePieceTokenizer, Llama2Tokenizer or NullTokenizer (ids in, "
+                        "ids out; needs --vocab-size)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer: ids 0..N-1, end-of-document id N (N + 1 ids before padding)")
     g.add_argument("--vocab-file", default=None, help="tokenizer vocabulary file")
     g.add_argument("--merge-file", default=None, help="BPE merges file (GPT2BPETokenizer)")
-    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFaceTokenizer)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="tokenizer.json or its folder (HuggingFaceTokenizer); a SentencePiece .model "
+                        "(SentencePieceTokenizer, Llama2Tokenizer)")
     g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
 

@@ -35,6 +35,18 @@ def _grads(fn, inputs, grad_out):
     return out.detach().clone(), [None if t is None else t.grad.detach().clone() for t in inputs]
 
 
+def _assert_matches(fused, reference, inputs, grad_out, tol):
+    """``fused()`` and ``reference()`` (closures over ``inputs``) agree within ``tol`` forward and in the gradients
+    of every input that is not None; returns the fused output."""
+    out_f, grads_f = _grads(fused, inputs, grad_out)
+    out_r, grads_r = _grads(reference, inputs, grad_out)
+    assert out_f.dtype == out_r.dtype and rel_err(out_f, out_r) < tol
+    for gf, gr in zip(grads_f, grads_r):
+        if gr is not None:
+            assert rel_err(gf, gr) < tol
+    return out_f
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
@@ -48,12 +60,8 @@ def test_bias_gelu(dtype, with_bias, shape):
     x = _leaf(shape, dtype, 2.0)
     b = _leaf(shape[-1:], dtype) if with_bias else None
     g = torch.randn(shape, device="cuda", dtype=dtype)
-    out_f, grads_f = _grads(lambda: ops.bias_gelu(x, b, use_fused=True), [x, b], g)
-    out_r, grads_r = _grads(lambda: ops.bias_gelu_reference(x, b), [x, b], g)
-    assert rel_err(out_f, out_r) < TOL[dtype]
-    for gf, gr in zip(grads_f, grads_r):
-        if gr is not None:
-            assert rel_err(gf, gr) < TOL[dtype]
+    _assert_matches(lambda: ops.bias_gelu(x, b, use_fused=True), lambda: ops.bias_gelu_reference(x, b), [x, b], g,
+                    TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -290,3 +298,68 @@ def test_column_sums_are_exact_on_repeat_and_in_a_cuda_graph():
         for got, ref in zip(sums, refs):
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)
         assert torch.equal(db, db0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("shape", [(512, 4, 2048), (33, 5, 768), (7, 1, 100), (64, 2, 8192)])
+def test_rms_norm(dtype, zero_centered, shape):
+    x = _leaf(shape, dtype, 3.0)
+    w = _leaf(shape[-1:], dtype, 0.5)
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+    out_f = _assert_matches(lambda: ops.rms_norm(x, w, 1e-5, zero_centered, use_fused=True),
+                            lambda: ops.rms_norm_reference(x, w, 1e-5, zero_centered), [x, w], g, TOL[dtype])
+    assert out_f.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_residual(dtype):
+    shape = (128, 4, 1024)
+    x, w = _leaf(shape, dtype), _leaf(shape[-1:], dtype)
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+
+    def run(fn):
+        y, res = fn(x, w, 1e-5)
+        return y * 3.0 + res
+
+    _assert_matches(lambda: run(lambda *a: ops.rms_norm_with_residual(*a, use_fused=True)),
+                    lambda: run(lambda *a: (ops.rms_norm_reference(*a), a[0])), [x, w], g, TOL[dtype])
+
+
+def _rope_freqs(s, rot, interleaved, base=500000.0):
+    inv = 1.0 / base ** (torch.arange(0, rot, 2, device="cuda", dtype=torch.float32) / rot)
+    f = torch.outer(torch.arange(s, device="cuda", dtype=torch.float32), inv)
+    f = torch.stack((f, f), -1).flatten(-2) if interleaved else torch.cat((f, f), -1)
+    return f[:, None, None, :]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("shape,rot", [((4096, 2, 8, 128), 128), ((37, 3, 5, 80), 40), ((16, 1, 2, 64), 64)])
+def test_rotary_pos_emb(dtype, interleaved, shape, rot):
+    t = _leaf(shape, dtype)
+    freqs = _rope_freqs(shape[0], rot, interleaved)
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+    out_f, (gf,) = _grads(lambda: ops.apply_rotary_pos_emb(t, freqs, interleaved, use_fused=True), [t], g)
+    out_r, (gr,) = _grads(lambda: ops.apply_rotary_pos_emb_reference(t, freqs, interleaved), [t], g)
+    assert out_f.dtype == dtype and rel_err(out_f, out_r) < TOL[dtype]
+    assert torch.equal(out_f[..., rot:], t.detach()[..., rot:])
+    assert rel_err(gf, gr) < TOL[dtype]
+    # a non-contiguous input (a slice of a fused QKV tensor) gives the same result
+    qkv = torch.randn(shape[:-1] + (3 * shape[-1],), device="cuda", dtype=dtype)
+    q = qkv[..., : shape[-1]]
+    assert rel_err(ops.apply_rotary_pos_emb(q, freqs, interleaved),
+                   ops.apply_rotary_pos_emb_reference(q, freqs, interleaved)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [(256, 4, 2 * 2816), (37, 3, 2 * 300)])
+def test_swiglu(dtype, with_bias, shape):
+    x = _leaf(shape, dtype, 2.0)
+    b = _leaf(shape[-1:], dtype) if with_bias else None
+    g = torch.randn(shape[:-1] + (shape[-1] // 2,), device="cuda", dtype=dtype)
+    out_f = _assert_matches(lambda: ops.bias_swiglu(x, b, use_fused=True), lambda: ops.bias_swiglu_reference(x, b),
+                            [x, b], g, TOL[dtype])
+    if not with_bias:
+        assert torch.equal(ops.swiglu(x), out_f)

@@ -19,7 +19,7 @@ BENCH = os.path.join(ROOT, "bench")
 
 MAINTAINED = ["gpu_throughput.py", "minimal_gpt.py", "multi_gpu.py", "memory.py", "optimizer_memory.py",
               "optimizer_step.py", "attention_backends.py", "preprocess_throughput.py", "kernel_sweep.py",
-              "ab_trees.py", "zero_shot.py"]
+              "ab_trees.py", "zero_shot.py", "host_overhead.py"]
 
 
 def _env():
@@ -202,3 +202,19 @@ def test_kernel_sweep_layer_norm_choice_and_min_width():
     # 124m (h 768): ours 0.07 - 0.02 + 0.015 = 0.065 against PyTorch's 0.06, a loss; 1.3b (h 2048) a win
     assert choice["min_width"] == 2048
     assert kernel_sweep.layer_norm_line(choice) == 'LN_CONFIG = {"min_width": 2048, "fwd": (2, 2), "bwd": (2, 2, 2)}'
+
+
+def test_host_overhead_proxy_runs_the_trainer_and_counts_ops(tmp_path):
+    """The CPU proxy of eager host cost: two real trainer runs give a slope, and one layer issues ATen ops."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "host_overhead.py"), "--models", "gpt", "--layers",
+                           "1", "2", "--iters", "5", "--warmup", "2", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    with open(tmp_path / "host_overhead.json") as f:
+        (row,) = json.load(f)["rows"]
+    assert row["model"] == "gpt" and len(row["ms_per_iteration"]) == 2
+    assert all(ms > 0 for ms in row["ms_per_iteration"])
+    # one layer's forward + backward: at least its four GEMMs and their gradient GEMMs
+    assert row["aten_ops_per_layer"] >= 12
+    assert "host ms per layer" in (tmp_path / "host_overhead.md").read_text()

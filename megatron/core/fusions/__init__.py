@@ -5,7 +5,8 @@ Triton importable and ``use_fused=True``) and falls back to the reference otherw
 """
 
 from megatron.core.fusions.cross_entropy import fused_vocab_cross_entropy  # noqa: F401
-from megatron.core.fusions.ops import (bias_dropout_add, bias_gelu, layer_norm, layer_norm_with_residual,  # noqa: F401
-                                       scaled_masked_softmax)
+from megatron.core.fusions.ops import (apply_rotary_pos_emb, bias_dropout_add, bias_gelu, bias_swiglu,  # noqa: F401
+                                       layer_norm, layer_norm_with_residual, rms_norm, rms_norm_with_residual,
+                                       scaled_masked_softmax, swiglu)
 from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion  # noqa: F401
 from megatron.core.fusions.mlp import bias_gelu_linear  # noqa: F401

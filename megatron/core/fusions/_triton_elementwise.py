@@ -8,6 +8,10 @@ three passes of the eager PyTorch composition, and saves less for backward:
   from the current CUDA generator (so the tensor-parallel RNG tracker and activation recomputation, which
   restore generator states, reproduce the same mask).
 
+SwiGLU (``silu(gate) * up`` of ``x = [gate, up]``, optionally after adding a bias) is one tiled pass over the
+``[M, f]`` output each way; it saves only ``x`` (and the bias), and its backward writes the ``[M, 2f]`` input
+gradient and the bias-gradient partials in the same pass.
+
 It also holds ``column_sum``, the bias gradient of a linear layer (column sums of a ``[tokens, n]`` gradient):
 a few programs per multiprocessor, each summing many row tiles of one column block in fp32 registers into one
 row of a small partial array, then a second small launch (``sum_partial_rows``) that adds the partial rows in a
@@ -37,6 +41,8 @@ TILE_CONFIG = {
     "gelu_bwd": (16, 128, 4, 32),
     "bda_fwd": (8, 256, 4, 32),
     "dropout_bwd": (16, 256, 4, 64),
+    "swiglu_fwd": (8, 256, 4, 32),
+    "swiglu_bwd": (8, 256, 4, 32),
 }
 
 # column_sum: BLOCK_M x BLOCK_N tiles, programs_per_sm x multiprocessors programs in all, split over the column
@@ -269,6 +275,17 @@ def column_sum(x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return sum_partial_rows(part, out_dtype)
 
 
+def _save_input_and_bias(ctx, x: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Save the input and the optional bias of a bias+activation function for its backward."""
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
+
+
+def _saved_input_and_bias(ctx):
+    """``(x, bias or None)`` as ``_save_input_and_bias`` saved them."""
+    return tuple(ctx.saved_tensors) if ctx.has_bias else (ctx.saved_tensors[0], None)
+
+
 class BiasGeLUFunction(torch.autograd.Function):
     """gelu(x + bias) (the erf GeLU, ``gelu_f32``): one Triton pass forward; backward writes dx and the bias-grad
     partials in the same pass."""
@@ -283,16 +300,12 @@ class BiasGeLUFunction(torch.autograd.Function):
             grid, tiles, meta = _launch("gelu_fwd", m, n, x.device)
             _bias_gelu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, n, tiles,
                                         HAS_BIAS=bias is not None, EVEN=_even(grid, tiles, meta, m, n), **meta)
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, bias) if bias is not None else ctx.save_for_backward(x)
+        _save_input_and_bias(ctx, x, bias)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.has_bias:
-            x, bias = ctx.saved_tensors
-        else:
-            (x,), bias = ctx.saved_tensors, None
+        x, bias = _saved_input_and_bias(ctx)
         return bias_gelu_backward(dy, x, bias)
 
 
@@ -429,3 +442,96 @@ class BiasDropoutAddFunction(torch.autograd.Function):
             dbias = torch.zeros(n, dtype=ctx.bias_dtype, device=dout.device)
         dres = dout if dout.dtype == ctx.r_dtype else dout.to(ctx.r_dtype)
         return dz, dbias, dres, None, None
+
+
+@triton.jit
+def _swiglu_tile(X, B, F, rows, cols, cmask, M, HAS_BIAS: tl.constexpr):
+    """(gate, up, mask, offsets of the gate) of one tile of rows x cols of a contiguous X [M, 2F], in fp32, with the
+    bias B [2F] added when HAS_BIAS (the bias reloads hit the cache)."""
+    mask = (rows < M)[:, None] & cmask[None, :]
+    xoffs = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    g = tl.load(X + xoffs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + xoffs + F, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        g += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        u += tl.load(B + F + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return g, u, mask, xoffs
+
+
+@triton.jit
+def _swiglu_fwd_kernel(X, B, Y, M, F, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """Y [M, F] = silu(X[:, :F] + B[:F]) * (X[:, F:] + B[F:]) for a contiguous X [M, 2F]."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < F
+    for t in range(0, ROW_TILES):
+        rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        g, u, mask, _ = _swiglu_tile(X, B, F, rows, cols, cmask, M, HAS_BIAS)
+        y = g / (1.0 + tl.exp(-g)) * u
+        tl.store(Y + rows.to(tl.int64)[:, None] * F + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, X, B, DX, DB_PART, M, F, ROW_TILES, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """DX [M, 2F] = [DY * u * silu'(g), DY * silu(g)] with silu'(g) = sig(g) (1 + g (1 - sig(g))); DB_PART[program
+    row] = the column sums of DX (finished by ``sum_partial_rows``)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < F
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # reduced over rows once, at the end
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for t in range(0, ROW_TILES):
+        rows = (tl.program_id(1) * ROW_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        g, u, mask, xoffs = _swiglu_tile(X, B, F, rows, cols, cmask, M, HAS_BIAS)
+        dy = tl.load(DY + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+        du = dy * g * sig
+        tl.store(DX + xoffs, dg.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + xoffs + F, du.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc_g += tl.where(mask, dg, 0.0)
+            acc_u += tl.where(mask, du, 0.0)
+    if HAS_BIAS:
+        part = DB_PART + tl.program_id(1).to(tl.int64) * (2 * F)
+        tl.store(part + cols, tl.sum(acc_g, axis=0), mask=cmask)
+        tl.store(part + F + cols, tl.sum(acc_u, axis=0), mask=cmask)
+
+
+class BiasSwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up of ``x + bias = [gate, up]`` (``x [..., 2f]``, ``bias [2f]`` or None): one Triton pass each
+    way; saves ``x`` and the bias, not the sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x.contiguous()
+        f = x.shape[-1] // 2
+        if x.shape[-1] != 2 * f or (bias is not None and bias.shape != x.shape[-1:]):
+            raise ValueError(f"swiglu: the last dimension {x.shape[-1]} must be even (and the bias's size)")
+        y = torch.empty(x.shape[:-1] + (f,), dtype=x.dtype, device=x.device)
+        m = x.numel() // x.shape[-1] if f else 0
+        if m and f:
+            grid, tiles, meta = _launch("swiglu_fwd", m, f, x.device)
+            _swiglu_fwd_kernel[grid](x, bias if bias is not None else x, y, m, f, tiles, HAS_BIAS=bias is not None,
+                                     **meta)
+        _save_input_and_bias(ctx, x, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, bias = _saved_input_and_bias(ctx)
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)
+        f = x.shape[-1] // 2
+        m = x.numel() // x.shape[-1] if f else 0
+        dbias = None
+        if m and f:
+            grid, tiles, meta = _launch("swiglu_bwd", m, f, x.device)
+            part = torch.empty((grid[1], 2 * f), dtype=torch.float32, device=x.device) if bias is not None else x
+            _swiglu_bwd_kernel[grid](dy, x, bias if bias is not None else x, dx, part, m, f, tiles,
+                                     HAS_BIAS=bias is not None, **meta)
+            if bias is not None:
+                dbias = sum_partial_rows(part, bias.dtype)
+        elif bias is not None:
+            dbias = torch.zeros_like(bias)
+        return dx, dbias

@@ -1,6 +1,7 @@
 """Public element-wise ops used by the transformer layers, with their PyTorch references.
 
-Each public op (``bias_gelu``, ``bias_dropout_add``, ``layer_norm``) runs a fused Triton kernel when
+Each public op (``bias_gelu``, ``bias_dropout_add``, ``layer_norm``, ``rms_norm``, ``apply_rotary_pos_emb``,
+``swiglu``) runs a fused Triton kernel when
 ``use_fused=True``, the tensor is on CUDA and Triton is importable, and otherwise the ``*_reference`` function,
 which is the definition the fused kernels are tested against (tests/gpu/test_fused_kernels.py). ``bias_grad``
 (the bias gradient of a linear layer, used by its autograd functions) has no switch: on CUDA with Triton it is
@@ -18,8 +19,10 @@ import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs fall back to the references.
     from megatron.core.fusions._triton_elementwise import (BiasDropoutAddFunction, BiasGeLUFunction,
-                                                           bias_gelu_backward, column_sum)
-    from megatron.core.fusions._triton_layer_norm import LayerNormFunction, triton_layer_norm_supported
+                                                           BiasSwiGLUFunction, bias_gelu_backward, column_sum)
+    from megatron.core.fusions._triton_layer_norm import (LayerNormFunction, triton_layer_norm_supported,
+                                                          triton_rms_norm_supported)
+    from megatron.core.fusions._triton_rope import RotaryFunction, triton_rope_supported
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the machine
@@ -48,6 +51,56 @@ def layer_norm_reference(
     """LayerNorm over the last dimension; with zero-centred gamma the stored weight is gamma - 1."""
     w = weight + 1 if zero_centered_gamma else weight
     return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or in its own dtype when that is wider (float64 for gradient checks)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       zero_centered_gamma: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dimension: ``x / sqrt(mean(x^2) + eps) * gamma`` computed in fp32 (gamma = weight, or
+    weight + 1 with zero-centred gamma), returned in ``x``'s dtype."""
+    xf = _at_least_fp32(x)
+    w = _at_least_fp32(weight) + 1 if zero_centered_gamma else _at_least_fp32(weight)
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+
+
+def rotate_half(t: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """The 90-degree rotation of RoPE's channel pairs: ``[x1, x2] -> [-x2, x1]`` over the two halves of the last
+    dimension, or over adjacent pairs ``(x[2i], x[2i+1])`` when ``interleaved``."""
+    if interleaved:
+        x1, x2 = t[..., 0::2], t[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    x1, x2 = t.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb_reference(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary position embedding: ``t * cos(freqs) + rotate_half(t) * sin(freqs)`` on the first ``rot_dim =
+    freqs.shape[-1]`` channels of ``t`` (computed in fp32), the remaining channels passed through; the result is
+    in ``t``'s dtype. ``t`` is ``[s, b, n, d]``, ``freqs`` the fp32 angles ``[s, 1, 1, rot_dim]`` (each frequency
+    twice: the two halves for the rotate-half layout, adjacent for ``interleaved``)."""
+    rot = freqs.shape[-1]
+    if rot % 2 or rot > t.shape[-1]:
+        raise ValueError(f"rotary dimension {rot} must be even and at most the head dimension {t.shape[-1]}")
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    tf = _at_least_fp32(t_rot)
+    f = freqs.to(tf.dtype)
+    out = (tf * f.cos() + rotate_half(tf, interleaved) * f.sin()).to(t.dtype)
+    return torch.cat((out, t_pass), dim=-1) if t_pass.shape[-1] else out
+
+
+def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate, up]`` split in two halves along the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def bias_swiglu_reference(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``swiglu(x + bias)``; ``bias`` is ``[2f]`` (the gate's and the up projection's biases)."""
+    return swiglu_reference(x if bias is None else x + bias)
 
 
 def _as_rows(dy: torch.Tensor) -> torch.Tensor:
@@ -154,6 +207,47 @@ def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: Option
     if fusable(x, use_fused) and triton_layer_norm_supported(x):
         return LayerNormFunction.apply(x, weight, bias, eps, zero_centered_gamma, True)
     return layer_norm_reference(x, weight, bias, eps, zero_centered_gamma), x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False,
+             use_fused: bool = True) -> torch.Tensor:
+    """RMSNorm over the last dimension (``rms_norm_reference``), one Triton pass each way on CUDA."""
+    if fusable(x, use_fused) and triton_rms_norm_supported(x):
+        return LayerNormFunction.apply(x, weight, None, eps, zero_centered_gamma, False, True)
+    return rms_norm_reference(x, weight, eps, zero_centered_gamma)
+
+
+def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False,
+                           use_fused: bool = True):
+    """``(rms_norm(x, ...), x)`` for a pre-norm layer whose residual branch starts at ``x``; fused, the residual
+    gradient is added inside the backward kernel (as ``layer_norm_with_residual``)."""
+    if fusable(x, use_fused) and triton_rms_norm_supported(x):
+        return LayerNormFunction.apply(x, weight, None, eps, zero_centered_gamma, True, True)
+    return rms_norm_reference(x, weight, eps, zero_centered_gamma), x
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
+                         use_fused: bool = True) -> torch.Tensor:
+    """Rotary position embedding of ``t [s, b, n, d]`` by the angles ``freqs [s, 1, 1, rot_dim]``
+    (``apply_rotary_pos_emb_reference``); fused on CUDA, where backward applies the inverse rotation."""
+    if fusable(t, use_fused) and triton_rope_supported(t, freqs):
+        return RotaryFunction.apply(t, freqs, bool(interleaved))
+    return apply_rotary_pos_emb_reference(t, freqs, interleaved)
+
+
+def swiglu(x: torch.Tensor, use_fused: bool = True) -> torch.Tensor:
+    """``silu(x[..., :f]) * x[..., f:]`` for ``x [..., 2f]`` (``swiglu_reference``); one Triton pass each way on
+    CUDA, saving only ``x``."""
+    if fusable(x, use_fused) and x.shape[-1] % 2 == 0:
+        return BiasSwiGLUFunction.apply(x, None)
+    return swiglu_reference(x)
+
+
+def bias_swiglu(x: torch.Tensor, bias: Optional[torch.Tensor], use_fused: bool = True) -> torch.Tensor:
+    """``swiglu(x + bias)`` with ``bias [2f]`` (or None: plain ``swiglu``)."""
+    if fusable(x, use_fused) and x.shape[-1] % 2 == 0 and (bias is None or bias.shape == x.shape[-1:]):
+        return BiasSwiGLUFunction.apply(x, bias)
+    return bias_swiglu_reference(x, bias)
 
 
 def bias_grad(dy: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Tokenizers built on the compiled Hugging Face ``tokenizers`` library (and Megatron-LM's ``NullTokenizer``).
+"""Tokenizers built on the compiled Hugging Face ``tokenizers`` library (and Megatron-LM's ``NullTokenizer``; the
+SentencePiece ones are in sentencepiece_tokenizers.py, built by ``build_tokenizer`` too).
 
 Every tokenizer exposes the same small surface that preprocessing, the datasets and the trainer need:
 
@@ -23,11 +24,15 @@ from typing import Iterable, List, Optional, Sequence
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from megatron.core.tokenizer.base import DictVocabulary, require_file
+
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
     "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "Llama2Tokenizer",
     "NullTokenizer",
 )
 
@@ -75,14 +80,14 @@ class _HFBackedTokenizer(abc.ABC):
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-class GPT2BPETokenizer(_HFBackedTokenizer):
+class GPT2BPETokenizer(DictVocabulary, _HFBackedTokenizer):
     """OpenAI GPT-2 byte-level BPE from ``vocab.json`` and ``merges.txt``; ``eod`` is ``<|endoftext|>``."""
 
     name = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str):
-        _require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
-        _require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
+        require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
+        require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
         self._vocab_file, self._merge_file = vocab_file, merge_file
         self._add_special = False
         try:
@@ -110,14 +115,6 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
             tok.decoder = decoders.ByteLevel()
             self._hf = tok
         return self._hf
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict:
-        return dict(self._vocab)
 
     @property
     def eod(self) -> int:
@@ -189,7 +186,7 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
 
     def __init__(self, vocab_file: str, lower_case: bool):
         self.name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
-        _require_file(vocab_file, "--vocab-file", self.name)
+        require_file(vocab_file, "--vocab-file", self.name)
         # Megatron appends [BOS] then [EOS] as ordinary vocabulary entries (not special tokens matched in the text);
         # like Megatron's WordPiece, a word of over 200 characters is [UNK].
         vocab = models.WordPiece.read_file(vocab_file)
@@ -221,6 +218,7 @@ class BertWordPieceTokenizer(_HFBackedTokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 
 
@@ -229,7 +227,8 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
 
     Special tokens are added as the tokenizer's post-processor defines (as ``AutoTokenizer(text)``
     does in Megatron-LM). ``eod`` is the ``eos_token`` of a ``tokenizer_config.json`` next to the file
-    when there is one, else the first of the usual end-of-text tokens present in the vocabulary.
+    when there is one, else the first of the usual end-of-text tokens present in the vocabulary; ``bos`` likewise
+    from ``bos_token`` or the usual beginning-of-text tokens (None when there is none).
     """
 
     name = "HuggingFaceTokenizer"
@@ -240,33 +239,40 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         path = tokenizer_model
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
-        _require_file(path, "--tokenizer-model", self.name)
-        tok = Tokenizer.from_file(path)
+        require_file(path, "--tokenizer-model", self.name)
+        try:
+            tok = Tokenizer.from_file(path)
+        except Exception as err:  # the Rust library raises a bare Exception for a malformed file
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"--tokenizer-model {path!r}: not a Hugging Face tokenizer.json ({reason})") from None
         super().__init__(tok, add_special_tokens=True)
-        self._eod = self._find_eod(tok, os.path.dirname(path), eod_token)
+        config = self._read_config(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+        names = ([eod_token] if eod_token else []) + [t for t in (config.get("eos_token"),) if t] + \
+            list(_EOS_CANDIDATES)
+        found = [i for i in (tok.token_to_id(n) for n in names) if i is not None]
+        if not found:
+            raise ValueError(
+                "HuggingFaceTokenizer: could not find an end-of-document token in the tokenizer "
+                f"(looked for {names}); add a tokenizer_config.json with 'eos_token' next to tokenizer.json")
+        self._eod = found[0]
+        bos = [i for i in (tok.token_to_id(n) for n in [config.get("bos_token")] + list(_BOS_CANDIDATES) if n)
+               if i is not None]
+        self.bos: Optional[int] = bos[0] if bos else None  # the beginning-of-text id, when the vocabulary has one
 
     @staticmethod
-    def _find_eod(tok: Tokenizer, folder: str, eod_token: Optional[str]) -> int:
-        names = []
-        if eod_token:
-            names.append(eod_token)
-        cfg = os.path.join(folder, "tokenizer_config.json")
-        if os.path.isfile(cfg):
+    def _read_config(cfg: str) -> dict:
+        """``{"eos_token": ..., "bos_token": ...}`` (strings or None) of a ``tokenizer_config.json``, if present."""
+        if not os.path.isfile(cfg):
+            return {}
+        try:
             with open(cfg, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.append(eos)
-        names.extend(_EOS_CANDIDATES)
-        for n in names:
-            i = tok.token_to_id(n)
-            if i is not None:
-                return i
-        raise ValueError(
-            "HuggingFaceTokenizer: could not find an end-of-document token in the tokenizer "
-            f"(looked for {names}); add a tokenizer_config.json with 'eos_token' next to tokenizer.json"
-        )
+                raw = json.load(f)
+            tokens = {key: raw.get(key) for key in ("eos_token", "bos_token")}
+        except (OSError, ValueError, AttributeError) as err:
+            raise ValueError(f"--tokenizer-model: {cfg!r} next to the tokenizer is not a readable JSON object "
+                             f"({err})") from None
+        return {k: (v.get("content") if isinstance(v, dict) else v) if isinstance(v, (dict, str)) else None
+                for k, v in tokens.items()}
 
     @property
     def eod(self) -> int:
@@ -315,13 +321,6 @@ class NullTokenizer:
         return f"NullTokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-def _require_file(path: Optional[str], flag: str, kind: str) -> None:
-    if not path:
-        raise ValueError(f"{kind} needs {flag}")
-    if not os.path.isfile(path):
-        raise ValueError(f"{flag} {path!r}: no such file (needed by {kind})")
-
-
 def build_tokenizer(
     tokenizer_type: str,
     vocab_file: Optional[str] = None,
@@ -339,6 +338,10 @@ def build_tokenizer(
         return BertWordPieceTokenizer(vocab_file, lower_case=False)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+        from megatron.core.tokenizer import sentencepiece_tokenizers
+
+        return getattr(sentencepiece_tokenizers, tokenizer_type)(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {list(TOKENIZER_TYPES)}")
