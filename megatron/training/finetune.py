@@ -332,6 +332,9 @@ def _datasets(ctx, ft: FinetuneConfig):
         valid = [(path, build_dataset(ft.task, [path], ctx.tokenizer, seq)) for path in ft.valid_data]
     except FinetuneDataError as exc:
         raise SharedError(str(exc)) from None
+    for path, dataset in valid:
+        if len(dataset) == 0:
+            raise SharedError(f"--valid-data {path} holds no {ft.task} examples")
     print_rank_0(f"> {ft.task}: {len(train)} training examples, validation "
                  + ", ".join(f"{os.path.basename(p.rstrip('/'))} {len(d)}" for p, d in valid))
     return train, valid
@@ -357,6 +360,11 @@ def finetune(argv: Optional[List[str]] = None) -> dict:
             trainer.activation_shape["micro_batch_size"] *= TASKS["RACE"]
         trainer.iteration, trainer.consumed_train_samples = load_checkpoint_if_any(
             cfg.checkpointing, model, trainer.optimizer, trainer.scheduler, pstate)
+        best_file = os.path.join(cfg.checkpointing.save or "", "best", "best.json")
+        if resuming and cfg.checkpointing.save and os.path.isfile(best_file):  # the best epoch before the restart
+            with open(best_file) as f:
+                best = json.load(f)
+            trainer.best = (float(best["accuracy"]), int(best["epoch"]))
         trainer.forward_step_func = functools.partial(forward_step, cross_entropy_loss)
         trainer.iterators = {"train": [train_batches(train_set, ctx, trainer.iteration) for _ in model]}
         per_epoch = t.train_iters // ft.epochs
