@@ -53,7 +53,6 @@ import sys
 import tempfile
 import threading
 import time
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -62,7 +61,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from corpus import NUM_WORKERS, SEED, SPLIT, bert_batches, prepare_bert_dataset  # noqa: E402
 from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, _glue_values, comma_choices,  # noqa: E402
                             environment, parse_ours_log, write_results)
-from megatron.training.logging import num_floating_point_operations  # noqa: E402
+from megatron.core.model_counts import flops_per_token as spec_flops_per_token  # noqa: E402
+from megatron.core.model_spec import ModelSpec  # noqa: E402
 from megatron.core.models.bert_loss import max_masked_positions  # noqa: E402
 
 SHAPES = {
@@ -91,8 +91,8 @@ def flops_per_token(L: int, h: int, s: int, V: int, mask_prob: float = 0.15) -> 
     """Model FLOPs per token of one BERT training iteration (module doc): the encoder as in the library's count
     (the trainer's log line), and the MLM head (h x h transform and vocabulary projection) at the k masked
     positions per sample the objective can need."""
-    encoder = SimpleNamespace(hidden_size=h, num_layers=L, seq_length=s, ffn_hidden_size=4 * h)
-    with_full_projection = num_floating_point_operations(encoder, V, 1) / s  # includes 6 h V at every position
+    encoder = ModelSpec(num_layers=L, hidden_size=h, num_attention_heads=1, seq_length=s, padded_vocab_size=V)
+    with_full_projection = spec_flops_per_token(encoder)  # includes 6 h V at every position
     k = max_masked_positions(mask_prob, s)
     return with_full_projection - 6 * h * V + (6 * h * V + 6 * h * h) * k / s
 

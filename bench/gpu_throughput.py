@@ -14,8 +14,8 @@ h 768, 12 heads, seq 1024, micro-batch 16); vocabulary 50,304, bf16, AdamW, drop
 
 Every trainer trains on the same tokens: the bundled corpus tokenised once into a .bin/.idx pair and read through
 the library's GPT dataset and data loader (``bench/corpus.py``), so iteration i of every trainer sees the same
-samples. MFU = tokens/s x model FLOPs per token / peak, with the FLOPs of ``megatron.training.logging.
-num_floating_point_operations`` (Megatron's 72 L h^2 + 12 L h s + 6 h V per token for ffn = 4h, no recomputation
+samples. MFU = tokens/s x model FLOPs per token / peak, with the FLOPs of ``megatron.core.model_counts.
+flops_per_token`` (Megatron's 72 L h^2 + 12 L h s + 6 h V per token for ffn = 4h, no recomputation
 counted) and the dense bf16 peak (``--bf16-peak-tflops``, 989 on H100/H200 SXM); ours-fp8 rows also give MFU
 against the dense FP8 peak (``--fp8-peak-tflops``, 1979). Each trainer/shape runs in its own process so peak memory
 (torch.cuda.max_memory_allocated) is its own. ``--variant LABEL:FLAGS`` (repeatable) runs our trainers once per
@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from corpus import batches, prepare_dataset, trainer_context, trainer_flags  # noqa: E402
-from megatron.training.logging import num_floating_point_operations  # noqa: E402
+from megatron.core.model_counts import flops_per_token as spec_flops_per_token  # noqa: E402
 
 BF16_PEAK_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
 FP8_PEAK_TFLOPS = 1979.0  # dense FP8 peak of the same GPUs
@@ -89,7 +89,7 @@ def _flops_per_token(num_layers: int, hidden_size: int, num_heads: int, seq_leng
     shape = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, seq_length=seq_length,
                  micro_batch_size=1)
     ctx = trainer_context(ours_flags(shape, 100, 0, None))  # --mock-data: no corpus needed
-    return num_floating_point_operations(ctx.config.model, ctx.padded_vocab_size, 1) / seq_length
+    return spec_flops_per_token(ctx.config.model.spec(ctx.padded_vocab_size))
 
 
 def flops_per_token(shape: dict) -> float:
@@ -371,7 +371,7 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
           f"Command: `{meta['command']}`", "",
           "Every trainer reads the same tokens (the bundled corpus as one .bin/.idx through the library's GPT "
           "dataset and loader, bench/corpus.py). MFU = tokens/s x model FLOPs per token "
-          "(72 L h^2 + 12 L h s + 6 h V, V = 50304; megatron.training.logging.num_floating_point_operations) / peak: "
+          "(72 L h^2 + 12 L h s + 6 h V, V = 50304; megatron.core.model_counts.flops_per_token) / peak: "
           f"bf16 dense peak {bf16_peak:g} TFLOP/s for every row; FP8 rows also against the FP8 dense peak "
           f"{fp8_peak:g} TFLOP/s (FP8 GEMMs in the transformer layers, same bf16 model and FLOP count). "
           "bf16, AdamW, dropout 0.", "",

@@ -40,9 +40,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from megatron.core.planner import load_calibration  # noqa: E402
-from megatron.core.planner.validation import compare, load_measurements, markdown, summary  # noqa: E402
+from megatron.training.plan_validation import compare, load_measurements, markdown, summary  # noqa: E402
 
-COMMON = ("--bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --cross-entropy-loss-fusion "
+DROPOUT_OFF = "--attention-dropout 0.0 --hidden-dropout 0.0"
+COMMON = (f"--bf16 {DROPOUT_OFF} --cross-entropy-loss-fusion "
           "--make-vocab-size-divisible-by 128")
 GPT_124M = "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024"
 GPT_1B3 = "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048"
@@ -56,6 +57,16 @@ FP8 = "--fp8-format hybrid"
 
 def _mb(mb: int, gbs: int) -> str:
     return f"--micro-batch-size {mb} --global-batch-size {gbs}"
+
+
+def full_flags(flags: str) -> str:
+    """A configuration's flags followed by COMMON; one that sets its own dropout keeps it (COMMON's dropout-off
+    flags, which would come last and win, are left out for it)."""
+    common = COMMON.replace(DROPOUT_OFF + " ", "") if "-dropout " in flags else COMMON
+    return f"{flags} {common}"
+
+
+DROPOUT = "--attention-dropout 0.1 --hidden-dropout 0.1"
 
 
 # (name, entry point, GPUs, flags): GPT 124M and 1.3B, BERT-large; none / selective / full recomputation; bf16 and
@@ -76,6 +87,12 @@ CONFIGS = [
     ("gpt124m_mb8_selective", "pretrain_gpt.py", 1, f"{GPT_124M} {_mb(8, 16)} {SEL}"),
     ("gpt1.3b_mb8_sel12_fp8", "pretrain_gpt.py", 1, f"{GPT_1B3} {_mb(8, 8)} {SEL_12} {FP8}"),
     ("gpt124m_mb2_selective_fp8", "pretrain_gpt.py", 1, f"{GPT_124M} {_mb(2, 8)} {SEL} {FP8}"),
+    # dropout 0.1 (no results yet): the fused bias-dropout-add keeps no mask, PyTorch's dropout a 1-byte one
+    ("gpt124m_mb8_none_dropout", "pretrain_gpt.py", 1, f"{GPT_124M} {_mb(8, 8)} {DROPOUT}"),
+    ("gpt124m_mb4_none_dropout_unfused", "pretrain_gpt.py", 1,
+     f"{GPT_124M} {_mb(4, 8)} {DROPOUT} --no-bias-dropout-fusion --attention-backend unfused"),
+    ("gpt1.3b_mb8_selective_dropout", "pretrain_gpt.py", 1, f"{GPT_1B3} {_mb(8, 8)} {SEL} {DROPOUT}"),
+    ("bert_large_mb8_none_dropout", "pretrain_bert.py", 1, f"{BERT_LARGE} {_mb(8, 16)} {DROPOUT}"),
 ]
 
 # --tiny: the same configurations' kinds at tiny shapes, to check the whole path on a CPU
@@ -121,7 +138,7 @@ def from_records(calibration: dict) -> list:
     """The comparison for the runs recorded in bench/results (in-sample for the shipped calibration)."""
     recs = []
     for source, config, gpus, flags, ms, gib in RECORDS:
-        full = f"{flags} {COMMON}"
+        full = full_flags(flags)
         launch = f" (torchrun --nproc_per_node {gpus})" if gpus > 1 else ""
         recs.append({"config": config, "planner_flags": full, "gpus": gpus, "measured_ms_per_iter": ms,
                      "measured_peak_mem_gib": gib, "source": f"bench/{source}",
@@ -218,7 +235,7 @@ class Runner:
         from gpu_throughput import parse_ours_log
 
         t0 = time.perf_counter()
-        full = f"{flags} {COMMON}"
+        full = full_flags(flags)
         data, planner_extra = self._data(entry)
         run = f"{full} --train-iters {self.iters + self.warmup} {data} --lr 1e-4 --eval-iters 0 --log-interval 1"
         launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",

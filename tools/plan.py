@@ -1,7 +1,7 @@
 """Which parallel layouts fit a model on a cluster, how much memory each needs, and how fast it runs.
 
     python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \\
-        --global-batch-size 512 --num-gpus 8 --gpu-memory-gb 141
+        --global-batch-size 512 --num-gpus 8
 
 lists the layouts that fit, fastest first: TP, PP, virtual stages, DP, sequence parallelism, distributed
 optimizer, recomputation, micro-batch and bf16/FP8, each with the predicted peak memory of its heaviest pipeline
@@ -20,14 +20,14 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.core.planner.flags import (  # noqa: E402
-    add_cluster_arguments, add_layout_arguments, add_model_arguments, cluster_from_args, layout_from_args,
-    layout_switches, model_shape, precision_of,
-)
 from megatron.core.planner.predict import (  # noqa: E402
     SearchSpace, format_prediction, format_table, predict, search,
 )
 from megatron.core.planner.timing import dump_calibration, load_calibration  # noqa: E402
+from megatron.training.plan_inputs import (  # noqa: E402
+    cluster_from_args, layout_from_args, layout_switches, model_shape, parse_planner_argv, planner_parser,
+    precision_of,
+)
 
 
 CALIBRATE_HELP = """calibration mode (python tools/plan.py --calibrate --help):
@@ -50,24 +50,24 @@ def _ints(text: str, flag: str):
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _calibrate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=CALIBRATE_HELP)
-    if "--calibrate" in sys.argv:  # the model flags are not needed to calibrate
-        p.add_argument("--calibrate", action="store_true",
-                       help="measure GEMM, attention, element-wise and collective rates on this machine")
-        p.add_argument("--calibration-out", required=True, help="where to write the measured calibration JSON")
-        p.add_argument("--calibrate-device", default="cuda", choices=["cuda", "cpu"],
-                       help="cuda (the GPU to calibrate) or cpu (small sizes, to try the routine out)")
-        p.add_argument("--gpu-kind", default=None, help="name stored in the file (default: the device's name)")
-        p.add_argument("--calibration", default="h200",
-                       help="base calibration for what cannot be measured in two minutes")
-        p.add_argument("--quick", action="store_true",
-                       help="shorten every timing loop (tries the routine out; not a calibration to keep)")
-        return p
-    add_model_arguments(p)
-    add_layout_arguments(p, for_search=True)
-    add_cluster_arguments(p, num_gpus_required=True)
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure GEMM, attention, element-wise and collective rates on this machine")
+    p.add_argument("--calibration-out", required=True, help="where to write the measured calibration JSON")
+    p.add_argument("--calibrate-device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (the GPU to calibrate) or cpu (small sizes, to try the routine out)")
+    p.add_argument("--gpu-kind", default=None, help="name stored in the file (default: the device's name)")
+    p.add_argument("--calibration", default="h200",
+                   help="base calibration for what cannot be measured in two minutes")
+    p.add_argument("--quick", action="store_true",
+                   help="shorten every timing loop (tries the routine out; not a calibration to keep)")
+    return p
+
+
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """The search and output flags (every model and layout flag is the trainer's own)."""
     g = p.add_argument_group("search and output")
     g.add_argument("--calibration", default=None,
                    help="calibration JSON (default: the shipped file of --gpu-kind); see --calibrate")
@@ -85,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print every prediction as JSON instead of the table")
     g.add_argument("--calibrate", action="store_true",
                    help="measure the rates on this machine's GPU and write --calibration-out (see below)")
+
+
+PARSER_TEXT = dict(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CALIBRATE_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's parser (its model, layout and precision flags, with the BERT section) plus the planner's."""
+    if "--calibrate" in sys.argv:  # the model flags are not needed to calibrate
+        return _calibrate_parser()
+    p = planner_parser(search=True, **PARSER_TEXT)
+    add_search_arguments(p)
     return p
 
 
@@ -108,7 +119,7 @@ def _space(args) -> SearchSpace:
         _ints(args.micro_batch_sizes, "--micro-batch-sizes"),
         precisions=precisions, recompute=rec if not args.recompute_granularity else ["none"],
         distributed_optimizer=[True] if args.use_distributed_optimizer else [False, True],
-        sequence_parallel=[True])
+        sequence_parallel=[True] if args.sequence_parallel else [False, True])
 
 
 def _calibrate(args) -> int:
@@ -125,13 +136,15 @@ def _calibrate(args) -> int:
 def main(argv=None) -> int:
     if argv is not None:
         sys.argv[1:] = argv
-    args = build_parser().parse_args()
     try:
-        if args.calibrate:
-            return _calibrate(args)
+        if "--calibrate" in sys.argv:
+            return _calibrate(_calibrate_parser().parse_args())
+        args = parse_planner_argv(sys.argv[1:], search=True, parser_extension=add_search_arguments, **PARSER_TEXT)
+        if args.global_batch_size is None:
+            raise ValueError("--global-batch-size is required")
         calibration = load_calibration(args.calibration or args.gpu_kind)
-        shape = model_shape(args)
-        cluster = cluster_from_args(args)
+        shape = model_shape(args, args.model)
+        cluster = cluster_from_args(args, calibration)
         base = layout_switches(args)
         if args.recompute_granularity:
             base.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
@@ -149,8 +162,10 @@ def main(argv=None) -> int:
                           "num_fitting": sum(p.fits for p in preds),
                           "predictions": [p.to_dict() for p in shown]}, indent=1))
         return 0
-    print(f"{shape.model.upper()} {shape.num_layers} layers, h {shape.hidden_size}, ffn {shape.ffn}, "
-          f"{shape.num_attention_heads} heads, seq {shape.seq_length}, vocab {shape.vocab_size} "
+    groups = "" if shape.num_query_groups == shape.num_attention_heads else f" ({shape.num_query_groups} kv groups)"
+    print(f"{shape.model.upper()} {shape.num_layers} layers, h {shape.hidden_size}, ffn {shape.ffn_hidden_size}"
+          f"{' SwiGLU' if shape.swiglu else ''}, {shape.num_attention_heads} heads{groups}, seq {shape.seq_length}, "
+          f"vocab {shape.vocab_size} "
           f"(padded per TP: {shape.padded_vocab(1)} at TP 1) | {cluster.num_gpus} x {cluster.gpu_kind} "
           f"{cluster.gpu_memory_gb:g} GB, {cluster.gpus_per_node} per node | global batch {args.global_batch_size}")
     print(f"{sum(p.fits for p in preds)} of {len(preds)} layouts fit; calibration {calibration['_path']}")

@@ -14,17 +14,20 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.core.model_spec import swiglu_ffn_hidden_size
 from megatron.training.config import RunConfig, pad_vocab_size
 from megatron.training.flag_table import ConfigError, closest, rewrite_argv
 from megatron.training.parser import build_parser
 
 # Megatron-LM values of implemented flags that are refused by name: flag -> supported values
 SUPPORTED_CHOICES = {
-    "position_embedding_type": ("--position-embedding-type", ("learned_absolute",)),
-    "normalization": ("--normalization", ("LayerNorm",)),
     "transformer_impl": ("--transformer-impl", ("local",)),
-    "ckpt_format": ("--ckpt-format", ("torch",)),
+    "ckpt_format": ("--ckpt-format", ("torch", "torch_dist")),
 }
+
+
+# --attention-backend (Megatron-LM's names) -> the TransformerConfig kernel
+ATTENTION_BACKENDS = {"auto": "sdpa", "flash": "flash", "fused": "cudnn", "unfused": "unfused", "local": "unfused"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,8 +52,10 @@ class _Parser(argparse.ArgumentParser):
         return [s for a in self._actions for s in a.option_strings if s.startswith("--")]
 
 
-def make_parser(extra_sections=()) -> _Parser:
-    parser = _Parser(description="Megatron-style pretraining", allow_abbrev=False)
+def make_parser(extra_sections=(), **kwargs) -> _Parser:
+    """The trainer's parser with the entry point's sections; ``kwargs`` go to ``argparse.ArgumentParser``."""
+    kwargs.setdefault("description", "Megatron-style pretraining")
+    parser = _Parser(allow_abbrev=False, **kwargs)
     build_parser(parser)
     for section in extra_sections:
         section.add_arguments(parser)
@@ -105,12 +110,13 @@ def _check_fp8(ns: argparse.Namespace, tp: int) -> None:
 
 
 def _check_model(ns: argparse.Namespace, tp: int) -> None:
-    """Model-shape checks live in the library's TransformerConfig; build one to run them."""
+    """Model-shape checks live in the library's ModelSpec and TransformerConfig; build one to run them (which
+    options the layers build is checked when the model is built, so --dry-run can plan any model)."""
     from megatron.training.config import ModelConfig, PrecisionConfig, section_from_namespace, transformer_config
 
     try:
         cfg = transformer_config(section_from_namespace(ModelConfig, ns), section_from_namespace(PrecisionConfig, ns),
-                                 ns.sequence_parallel, padded_vocab_size=0)
+                                 ns.sequence_parallel, padded_vocab_size=0, check_layers=False)
         cfg.check_tensor_parallel(tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -146,6 +152,11 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
         if getattr(ns, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if ns.ckpt_format == "torch_dist" and (tp, pp, ns.virtual_pipeline_model_parallel_size or 1) != (1, 1, 1):
+        _fail(f"--ckpt-format torch_dist is written by runs of TP=1 and PP=1 (this run: TP={tp}, PP={pp}); save "
+              "in the default format and convert it with tools/checkpoint/convert.py --saver torch_dist")
+    if ns.ckpt_format == "torch_dist" and ns.ckpt_layout == "megatron":
+        _fail("give only one of --ckpt-format torch_dist and --ckpt-layout megatron")
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         if ns.virtual_pipeline_model_parallel_size is not None:
             _fail("give only one of --num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size")
@@ -165,7 +176,7 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _resolve_backend(ns)
 
     if ns.ffn_hidden_size is None:
-        ns.ffn_hidden_size = 4 * ns.hidden_size
+        ns.ffn_hidden_size = swiglu_ffn_hidden_size(ns.hidden_size) if ns.swiglu else 4 * ns.hidden_size
     if ns.max_position_embeddings is None:
         ns.max_position_embeddings = ns.seq_length
     if ns.recompute_activations:
@@ -177,8 +188,7 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
     ns.params_dtype = "bfloat16" if ns.bf16 else ("float16" if ns.fp16 else "float32")
     if ns.no_masked_softmax_fusion:
         ns.attention_backend = "unfused"
-    ns.attention_backend = {"auto": "sdpa", "flash": "flash", "fused": "cudnn", "unfused": "unfused",
-                            "local": "unfused"}[ns.attention_backend]
+    ns.attention_backend = ATTENTION_BACKENDS[ns.attention_backend]
     if ns.bf16 and ns.fp16:
         _fail("give only one of --bf16 and --fp16")
     if ns.max_consecutive_skipped_iterations < 0:
@@ -272,6 +282,11 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
 CHECKPOINT_ARGS = {"num_layers": None, "hidden_size": None, "num_attention_heads": None, "ffn_hidden_size": None,
                    "seq_length": None, "max_position_embeddings": None, "make_vocab_size_divisible_by": 128,
                    "norm_epsilon": 1e-5, "apply_layernorm_1p": False, "untie_embeddings_and_output_weights": False,
+                   "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
+                   "rotary_interleaved": False, "rotary_seq_len_interpolation_factor": None,
+                   "use_rope_scaling": False, "rope_scaling_factor": 8.0, "normalization": "LayerNorm",
+                   "swiglu": False, "group_query_attention": False, "num_query_groups": 1, "kv_channels": None,
+                   "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
                    "tokenizer_type": "GPT2BPETokenizer"}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, List
 
 import torch
@@ -17,8 +16,8 @@ def build_bert_chunks(ctx: TrainingContext, post_ln: bool, make_chunk: Callable)
     ``TransformerConfig``, post-LN when ``post_ln``; ``chunk``: its stage's ``pre_process``, ``post_process``,
     ``num_layers`` and ``layer_offset``), each initialised layout-independently from ``--seed``."""
     m, par, pstate = ctx.config.model, ctx.config.parallel, ctx.pstate
-    config = replace(transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size),
-                     attention_mask_type="padding", apply_residual_connection_post_layernorm=post_ln)
+    config = transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size,
+                                attention_mask_type="padding", apply_residual_connection_post_layernorm=post_ln)
     chunks = []
     for c in stage_chunks(m.num_layers, pstate, par.decoder_first_pipeline_num_layers,
                           par.decoder_last_pipeline_num_layers):

@@ -23,6 +23,7 @@ from megatron.core.checkpoint_formats.reshard import layout_of
 from megatron.core.checkpoint_formats.safe_load import describe_load_error, to_plain
 from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scaling_state
 from megatron.core.parallel_state import ParallelState
+from megatron.core.model_spec import spec_to_args
 from megatron.training import checkpoint_folder as cfold
 from megatron.training import checkpoint_io as cio
 from megatron.training.config import CheckpointConfig
@@ -62,6 +63,9 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
     optim_state = None
     if optimizer is not None and not cfg.no_save_optim:
         optim_state = optimizer.state_dict()
+    if cfg.ckpt_format == "torch_dist":
+        return _save_torch_dist(iteration, model, optim_state, scheduler, cfg, pstate, consumed_train_samples,
+                                plain_args)
     path = os.path.join(checkpoint_dir(cfg.save, iteration, pstate), "model_optim_rng.pt")
     files = {}
     if cfg.ckpt_layout == "megatron":
@@ -70,6 +74,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
     elif pstate.dp_rank == 0:
         state = {
             "args": plain_args,
+            **_spec_entry(model),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "consumed_train_samples": consumed_train_samples,
@@ -103,6 +108,53 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
             cfold.prune_checkpoints(cfg.save, cfg.keep_last_checkpoints, iteration)
     _barrier()
     return path
+
+
+def _save_torch_dist(iteration: int, model, optim_state, scheduler, cfg: CheckpointConfig, pstate: ParallelState,
+                     consumed_train_samples: int, plain_args: dict) -> str:
+    """Collective: ``--ckpt-format torch_dist`` of a TP=1, PP=1 run, written by rank 0 with
+    ``checkpoint_formats.megatron_dist`` (the converter's writer): the model, the optimizer as Megatron-LM's
+    distributed optimizer state, the scheduler and rank 0's RNG state. Returns the iteration folder."""
+    from megatron.core.checkpoint_formats import megatron_dist, megatron_lm, optimizer_state
+
+    family = _family_of(model)
+    rows = _padded_vocab_of(model, pstate, family)
+    folder = cfold.iteration_dir(cfg.save, iteration)
+    error = None
+    if pstate.rank == 0:
+        chunk = {n: t for n, t in model[0].state_dict().items() if torch.is_tensor(t)}
+        args = dict(plain_args, padded_vocab_size=rows)
+        dims = formats.dims_from_args({k: v for k, v in args.items() if k != "vocab_size"})
+        by_name = None
+        if optim_state is not None:
+            named, meta = optimizer_state.ours_to_named(optim_state, [chunk], folder)
+            groups = megatron_lm.megatron_param_groups(meta["param_groups"], scheduler.state_dict())
+            by_name = (optimizer_state.with_main_params(named, [chunk]),
+                       dict(meta, kind="distributed", param_groups=groups))
+        ns = megatron_lm.megatron_args(args, dims, 1, 1, consumed_train_samples, iteration,
+                                       distributed_optimizer=by_name is not None, ckpt_format="torch_dist",
+                                       data_parallel_size=pstate.dp_size, world_size=pstate.world_size)
+        rng = None if cfg.no_save_rng else tensor_parallel.get_all_rng_states()
+        try:
+            megatron_dist.write_torch_dist_checkpoint(
+                cfg.save, chunk, dims, ns, iteration, family, optimizer_by_name=by_name,
+                scheduler=scheduler.state_dict() if by_name is not None else None, rng=rng)
+        except OSError as exc:
+            error = CheckpointError(f"--save {cfg.save}: cannot write the torch_dist checkpoint {folder}: {exc}")
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return folder
+
+
+def _spec_entry(model) -> dict:
+    """``{"model_spec": the running model's ModelSpec as a plain dict}`` (empty for a model without a config)."""
+    config = getattr(getattr(model[0], "module", model[0]), "config", None)
+    return {formats.SPEC_KEY: config.spec.to_dict()} if hasattr(config, "spec") else {}
 
 
 def _megatron_layout_files(iteration: int, model, optim_state, scheduler, cfg: CheckpointConfig,
@@ -185,6 +237,11 @@ def read_saved_args(root: str) -> dict:
     saved = state.get("args")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} holds no stored arguments")
+    if isinstance(state.get(formats.SPEC_KEY), dict):  # the stored model description, as the flags that give it
+        try:
+            return {**saved, **spec_to_args(formats.spec_from_saved({formats.SPEC_KEY: state[formats.SPEC_KEY]}))}
+        except formats.CheckpointFormatError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     return dict(saved)
 
 
@@ -311,9 +368,6 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
     what = _FORMAT_NAMES.get(fmt, "checkpoint")
     want_optim = not cfg.finetune and not cfg.no_load_optim and optimizer is not None
     want_rng = not cfg.finetune and not cfg.no_load_rng
-    if fmt == "torch_dist" and want_optim:
-        raise CheckpointError(f"{iter_folder} is a {what}: its optimizer state is not read; resume it with "
-                              "--no-load-optim (or --finetune)")
     vpp = len(model) if len(model) > 1 else None
     try:
         family = _family_of(model)
@@ -394,7 +448,8 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
             _print0(f"RNG state not restored: it belongs to the saved layout ({saved}); dropout and sampling "
                     "draw fresh streams from --seed")
         elif fmt == "torch_dist":
-            _print0(f"RNG state not restored: a {what} is read for its model weights only")
+            _print0(f"RNG state not restored: the {what} holds none; dropout and sampling draw fresh streams "
+                    "from --seed")
         else:
             raise CheckpointError(f"--load {root}: the {what} holds no RNG state; use --no-load-rng")
     return int(ckpt.iteration), int(ckpt.consumed_samples)

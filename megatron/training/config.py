@@ -30,6 +30,7 @@ def section_from_namespace(cls, ns: argparse.Namespace):
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model flags as given (Megatron-LM's names); ``spec()`` is the model they describe."""
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -40,6 +41,21 @@ class ModelConfig:
     norm_epsilon: float
     apply_layernorm_1p: bool
     untie_embeddings_and_output_weights: bool
+    position_embedding_type: str
+    rotary_base: int
+    rotary_percent: float
+    rotary_interleaved: bool
+    rotary_seq_len_interpolation_factor: Optional[int]
+    use_rope_scaling: bool
+    rope_scaling_factor: float
+    normalization: str
+    swiglu: bool
+    group_query_attention: bool
+    num_query_groups: int
+    kv_channels: Optional[int]
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
     init_method_std: float
     attention_dropout: float
     hidden_dropout: float
@@ -54,6 +70,12 @@ class ModelConfig:
     persist_layer_norm: bool
     cross_entropy_loss_fusion: bool
     gradient_accumulation_fusion: bool
+
+    def spec(self, padded_vocab_size: int, **overrides):
+        """The ``ModelSpec`` these flags describe, with the vocabulary padded by the trainer."""
+        from megatron.core.model_spec import spec_from_args
+
+        return spec_from_args(dataclasses.asdict(self), padded_vocab_size=padded_vocab_size, **overrides)
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,7 @@ class CheckpointConfig:
     ckpt_fallback_on_corruption: bool
     keep_last_checkpoints: Optional[int]
     ckpt_layout: str = "ours"  # "megatron": --save writes Megatron-LM's legacy layout
+    ckpt_format: str = "torch"  # "torch_dist": --save writes Megatron-LM's torch_dist layout
 
 
 @dataclass(frozen=True)
@@ -268,18 +291,16 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 
 
 def transformer_config(model: ModelConfig, precision: PrecisionConfig, sequence_parallel: bool,
-                       padded_vocab_size: int):
-    """The library's ``TransformerConfig`` for these sections (it validates the model shape itself)."""
+                       padded_vocab_size: int, check_layers: bool = True, **spec_overrides):
+    """The library's ``TransformerConfig``: the model's spec plus the runtime switches of these sections (it
+    validates the model itself). ``spec_overrides``: spec fields an entry point fixes (BERT's attention mask).
+    ``check_layers``: also refuse, by flag, options the transformer layers do not build (the model providers)."""
     from megatron.core.transformer.config import TransformerConfig
 
-    return TransformerConfig(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
-        ffn_hidden_size=model.ffn_hidden_size, seq_length=model.seq_length,
-        max_position_embeddings=model.max_position_embeddings, padded_vocab_size=padded_vocab_size,
+    config = TransformerConfig.from_spec(
+        model.spec(padded_vocab_size, **spec_overrides),
         attention_dropout=model.attention_dropout, hidden_dropout=model.hidden_dropout,
-        layernorm_epsilon=model.norm_epsilon, layernorm_zero_centered_gamma=model.apply_layernorm_1p,
         init_method_std=model.init_method_std, params_dtype=precision.torch_dtype,
-        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         sequence_parallel=sequence_parallel, recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method, recompute_num_layers=model.recompute_num_layers,
         recompute_modules=model.recompute_modules, attention_backend=model.attention_backend,
@@ -289,3 +310,6 @@ def transformer_config(model: ModelConfig, precision: PrecisionConfig, sequence_
         fp8=precision.fp8_format, fp8_margin=precision.fp8_margin, fp8_recipe=precision.fp8_recipe,
         fp8_amax_history_len=precision.fp8_amax_history_len, fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
     )
+    if check_layers:
+        config.check_layer_support()
+    return config

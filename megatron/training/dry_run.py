@@ -1,12 +1,15 @@
 """``--dry-run [NUM_GPUS]`` for any entry point: the flags validated as a run on NUM_GPUS GPUs (default: the
 launcher's world size), then the planner's memory and time prediction. No process group, GPU or data file is
-touched."""
+touched. The planner reads the validated configuration itself (``plan_inputs.inputs_from_namespace``).
+
+    text, fits = dry_run(argv, num_gpus=8)   # the same prediction for a command line not validated as a run
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from megatron.training.arguments import parse_namespace, world_size_from_env
 from megatron.training.flag_table import ConfigError
@@ -16,10 +19,36 @@ def wants_dry_run(argv: Sequence[str]) -> bool:
     return any(a == "--dry-run" or a.startswith("--dry-run=") for a in argv)
 
 
+def _report(ns: argparse.Namespace, num_gpus: int, model: str, vocab_size: Optional[int],
+            gpu_memory_gb: Optional[float] = None, gpus_per_node: int = 8, gpu_kind: str = "h200",
+            calibration: Optional[str] = None) -> Tuple[str, bool]:
+    from megatron.core.planner import format_prediction, load_calibration, predict
+    from megatron.core.planner.timing import calibrated_gpu_memory_gb
+    from megatron.training.plan_inputs import inputs_from_namespace
+
+    cal = load_calibration(calibration or gpu_kind)
+    memory = gpu_memory_gb if gpu_memory_gb is not None else calibrated_gpu_memory_gb(cal)
+    shape, layout, cluster, gbs = inputs_from_namespace(ns, num_gpus, model, vocab_size, memory, gpus_per_node,
+                                                        gpu_kind)
+    pred = predict(shape, layout, cluster, cal, gbs)
+    head = (f"dry run: {shape.model.upper()} on {num_gpus} x {gpu_kind} ({memory:g} GB each), calibration "
+            f"{cal['_path']}")
+    return head + "\n" + format_prediction(pred), pred.fits
+
+
+def dry_run(argv: Sequence[str], num_gpus: int, model: str = "gpt", gpu_memory_gb: Optional[float] = None,
+            gpus_per_node: int = 8, gpu_kind: str = "h200", calibration: Optional[str] = None) -> Tuple[str, bool]:
+    """``(report, fits)`` for the trainer flags ``argv`` on ``num_gpus`` GPUs, read by the trainer's parser without
+    the checks of a training run (no --lr or data needed). ``gpu_memory_gb`` defaults to the calibration's
+    (``timing.calibrated_gpu_memory_gb``); ``model`` is ``bert`` for ``pretrain_bert.py``."""
+    from megatron.training.plan_inputs import parse_planner_argv
+
+    ns = parse_planner_argv(argv)
+    return _report(ns, num_gpus, ns.model if model == "gpt" else model, None, gpu_memory_gb, gpus_per_node, gpu_kind, calibration)
+
+
 def dry_run_report(argv: Sequence[str], model: str, extra_sections=()) -> str:
     """The planner's report for the run ``argv`` describes; ``model``: ``gpt`` or ``bert``."""
-    from megatron.core.planner import dry_run
-    from megatron.core.planner.flags import planner_argv
     from megatron.core.tokenizer import build_tokenizer
 
     pre = argparse.ArgumentParser(add_help=False)
@@ -35,7 +64,7 @@ def dry_run_report(argv: Sequence[str], model: str, extra_sections=()) -> str:
                                     tokenizer_model=ns.tokenizer_model, vocab_size=ns.vocab_size).vocab_size
         except (ValueError, OSError) as exc:
             raise ConfigError(f"--tokenizer-type {ns.tokenizer_type}: {exc}") from None
-    text, _ = dry_run(planner_argv(ns, vocab_size=vocab), num_gpus=num_gpus, model=model)
+    text, _ = _report(ns, num_gpus, model, vocab)
     return "\n".join(notes + [text])
 
 
@@ -46,4 +75,4 @@ def print_dry_run(argv: Optional[Sequence[str]], model: str, extra_sections=()) 
         print(report, flush=True)
 
 
-__all__: List[str] = ["wants_dry_run", "dry_run_report", "print_dry_run"]
+__all__: List[str] = ["wants_dry_run", "dry_run", "dry_run_report", "print_dry_run"]

@@ -1,4 +1,5 @@
-"""The iteration log line (Megatron's field names), FLOP counting and TensorBoard scalars."""
+"""The iteration log line (Megatron's field names) and TensorBoard scalars (the FLOP count behind its TFLOP/s is
+``megatron.core.model_counts``)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,6 @@ import os
 from typing import Dict, Optional
 
 import torch
-
-
-def num_floating_point_operations(model, padded_vocab_size: int, batch_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3 x forward), no recomputation counted.
-
-    Per token and layer the GEMMs cost 2*(4h^2 + 2*h*ffn) FLOPs forward, attention scores and x V cost 4*s*h,
-    and the output layer 2*h*V: for ffn = 4h this is Megatron's 72*L*h^2 + 12*L*h*s + 6*h*V per token.
-    ``model``: the model section (``ModelConfig``: hidden size, layers, sequence length, MLP size).
-    """
-    h, L, s, ffn = model.hidden_size, model.num_layers, model.seq_length, model.ffn_hidden_size
-    per_token_fwd = L * (2 * (4 * h * h + 2 * h * ffn) + 4 * s * h) + 2 * h * padded_vocab_size
-    return 3.0 * per_token_fwd * batch_size * s
 
 
 def format_iteration_line(

@@ -22,14 +22,41 @@ def _model(p: argparse.ArgumentParser) -> None:
                    help="size of the position-embedding table (default --seq-length)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                    help="pad the vocabulary to a multiple of this times the tensor-parallel size (default 128)")
-    g.add_argument("--norm-epsilon", type=float, default=None, help="LayerNorm epsilon (default 1e-5)")
+    g.add_argument("--norm-epsilon", type=float, default=None, help="epsilon of the norm layers (default 1e-5)")
     g.add_argument("--apply-layernorm-1p", action="store_true", default=None,
                    help="zero-centred LayerNorm gamma (the weight is stored as gamma - 1)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
                    help="give the output layer its own weight instead of sharing the input embedding's")
-    g.add_argument("--position-embedding-type", default="learned_absolute",
-                   help="position embeddings: learned_absolute (the only kind)")
-    g.add_argument("--normalization", default="LayerNorm", help="normalisation layer: LayerNorm (the only kind)")
+    g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "rope", "none"],
+                   help="position embeddings: a learned table (learned_absolute), rotary (rope) or none")
+    g.add_argument("--rotary-base", type=int, default=None, help="RoPE: base of the rotary frequencies (default 10000)")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="RoPE: fraction of each head's channels that are rotated (default 1.0)")
+    g.add_argument("--rotary-interleaved", action="store_true", default=None,
+                   help="RoPE: rotate channel pairs (2i, 2i+1) instead of (i, i + d/2)")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="RoPE: divide positions by this factor (linear position interpolation)")
+    g.add_argument("--use-rope-scaling", action="store_true", default=None,
+                   help="RoPE: Llama 3.1's frequency scaling (low/high frequency factors 1 and 4, original "
+                        "context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="RoPE: the factor of --use-rope-scaling (default 8.0)")
+    g.add_argument("--normalization", default=None, choices=["LayerNorm", "RMSNorm"],
+                   help="normalisation layer: LayerNorm or RMSNorm (default LayerNorm)")
+    g.add_argument("--swiglu", action="store_true", default=None,
+                   help="gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to 2/3 x 4h rounded down to 64")
+    g.add_argument("--group-query-attention", action="store_true", default=None,
+                   help="grouped-query attention: --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads under --group-query-attention (1: multi-query attention; default 1)")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="channels per attention head (default --hidden-size / --num-attention-heads)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None,
+                   help="no biases in the linear layers")
+    g.add_argument("--add-qkv-bias", action="store_true", default=None,
+                   help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true", default=None,
+                   help="normalise each query and key head before the attention scores")
     g.add_argument("--transformer-impl", default="local",
                    help="transformer implementation: local (this framework's own layers)")
     g.add_argument("--init-method-std", type=float, default=0.02, help="standard deviation of the weight init")
@@ -182,7 +209,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
                    help="take the model-shape flags left off the command line from the --load checkpoint")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop with an error when --load holds no checkpoint (instead of starting from scratch)")
-    g.add_argument("--ckpt-format", default="torch", help="checkpoint format: torch (the only format)")
+    g.add_argument("--ckpt-format", default="torch",
+                   help="what --save writes: torch (the --ckpt-layout files) or torch_dist (Megatron-LM's "
+                        "distributed checkpoint, which Megatron-LM resumes; runs of TP=1, PP=1); --load reads both")
     g.add_argument("--ckpt-layout", choices=("ours", "megatron"), default="ours",
                    help="what --save writes: ours (plain types, loads with weights_only=True) or megatron "
                         "(Megatron-LM's legacy --ckpt-format torch files, which Megatron-LM can resume); --load "

@@ -22,8 +22,8 @@ from megatron.training.config import RunConfig
 from megatron.training.cuda_graph import FullIterationCudaGraph
 from megatron.training.downstream_eval import build_downstream_evaluator
 from megatron.training.flag_table import SharedError
-from megatron.training.logging import (TensorBoardLogger, format_eval_line, format_iteration_line,
-                                       num_floating_point_operations, perplexity)
+from megatron.core.model_counts import num_floating_point_operations
+from megatron.training.logging import TensorBoardLogger, format_eval_line, format_iteration_line, perplexity
 from megatron.training.setup import (build_context, build_iterators, build_model, build_optimizer, build_scheduler,
                                      job_environment, job_flags, load_checkpoint_if_any, print_rank_0,
                                      print_rank_last, sync_device)
@@ -326,7 +326,7 @@ def _train(cfg: RunConfig, pstate: ParallelState, model_provider: Callable, forw
     tensor_parallel.model_parallel_seed(t.seed + 100 * pstate.pp_rank, pstate)
     ctx = build_context(cfg, pstate)
     model = build_model(cfg, pstate, model_provider(ctx))
-    flops = num_floating_point_operations(cfg.model, ctx.padded_vocab_size, t.global_batch_size)
+    flops = num_floating_point_operations(cfg.model.spec(ctx.padded_vocab_size), t.global_batch_size)
     trainer = Trainer(cfg, pstate, model, functools.partial(forward_step_func, ctx), {}, flops)
     from megatron.core.optimizer import optimizer_memory_report
 

@@ -3,7 +3,7 @@ exit status 0, before any process group, dataset, checkpoint or TensorBoard file
 
 import os
 
-from megatron.core.planner import dry_run
+from megatron.training.dry_run import dry_run
 from tests.functional.harness import ROOT, run_pretrain
 
 VOCAB = os.path.join(ROOT, "data/gpt2-vocab.json")
@@ -23,7 +23,7 @@ def test_dry_run_prints_the_prediction_for_the_given_gpus(tmp_path):
                                    "--tensor-model-parallel-size", "2", "--recompute-activations",
                                    "--use-distributed-optimizer", "--dry-run", "16"], timeout=300)
     want, fits = dry_run(PLANNER_1B3 + ["--tensor-model-parallel-size", "2", "--recompute-granularity", "selective",
-                                        "--use-distributed-optimizer", "--attention-backend", "sdpa"], num_gpus=16)
+                                        "--use-distributed-optimizer"], num_gpus=16)
     assert fits
     assert proc.stdout.strip() == want.strip()
     assert "on 16 x h200" in proc.stdout and "TP2 PP1 DP8" in proc.stdout

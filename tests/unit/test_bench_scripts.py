@@ -19,7 +19,7 @@ BENCH = os.path.join(ROOT, "bench")
 
 MAINTAINED = ["gpu_throughput.py", "minimal_gpt.py", "multi_gpu.py", "memory.py", "optimizer_memory.py",
               "optimizer_step.py", "attention_backends.py", "preprocess_throughput.py", "kernel_sweep.py",
-              "ab_trees.py", "zero_shot.py", "host_overhead.py"]
+              "ab_trees.py", "zero_shot.py", "host_overhead.py", "sp_memory_paper.py", "sp_backward_gather.py"]
 
 
 def _env():

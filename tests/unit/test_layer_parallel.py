@@ -35,9 +35,9 @@ def _layer_counts(rank, world):
             assert dict(fwd) == {"all_reduce": 2} and dict(bwd) == {"all_reduce": 2}, (fwd, bwd)
         else:  # each all-reduce becomes an all-gather (g-bar) and a reduce-scatter (g)
             assert dict(fwd) == {"all_gather": 2, "reduce_scatter": 2}, fwd
-            # backward: the all-gathers' duals are reduce-scatters and the reduce-scatters' duals all-gathers
-            # (the gathered input of QKV/FC1 is kept for their weight gradients, not gathered again)
-            assert dict(bwd) == {"all_gather": 2, "reduce_scatter": 2}, bwd
+            # backward: the all-gathers' duals are reduce-scatters and the reduce-scatters' duals all-gathers, and
+            # QKV and FC1 gather their kept input shards again for their weight gradients (Korthikanti et al.)
+            assert dict(bwd) == {"all_gather": 4, "reduce_scatter": 2}, bwd
 
 
 def test_layer_collective_counts():

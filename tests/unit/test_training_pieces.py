@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron.training.arguments import ConfigError, pad_vocab_size, parse_config
-from megatron.training.logging import format_eval_line, format_iteration_line, num_floating_point_operations
+from megatron.core.model_counts import num_floating_point_operations
+from megatron.training.logging import format_eval_line, format_iteration_line
 from megatron.training.scheduler import OptimizerParamScheduler
 
 
@@ -99,7 +100,13 @@ def _err(capsys, argv, world=1):
     (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in [0, 1)"),
     (["--recompute-granularity", "full"], 1, "--recompute-method"),
     (["--num-experts", "8"], 1, "--num-experts is a Megatron-LM flag for mixture of experts"),
-    (["--position-embedding-type", "rope"], 1, "--position-embedding-type rope is not supported"),
+    (["--position-embedding-type", "alibi"], 1, "argument --position-embedding-type: invalid choice: 'alibi'"),
+    (["--group-query-attention", "--num-query-groups", "3"], 1,
+     "--num-attention-heads (4) must be a multiple of --num-query-groups (3)"),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
+     "--num-query-groups (2) must be divisible by --tensor-model-parallel-size (4)"),
+    (["--rotary-percent", "0.5"], 1, "--rotary-percent needs --position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], 1, "--rotary-percent must be in (0, 1]"),
     (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
     (["--hiden-size", "8"], 1, "unrecognized arguments: --hiden-size 8 (did you mean --hidden-size"),
     (["--fp8-format", "hybrid"], 1, "--fp8-format needs --bf16"),
@@ -156,7 +163,7 @@ def test_flops_formula_matches_megatron_per_token_count():
                         "--seq-length", "2048", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1",
                         "--data-path", "x"]).model
     per_token = 72 * 24 * 2048**2 + 12 * 24 * 2048 * 2048 + 6 * 2048 * 50304
-    assert num_floating_point_operations(model, 50304, 8) == pytest.approx(per_token * 8 * 2048)
+    assert num_floating_point_operations(model.spec(50304), 8) == pytest.approx(per_token * 8 * 2048)
 
 
 def test_iteration_line_has_megatron_fields():

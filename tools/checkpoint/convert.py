@@ -4,10 +4,12 @@
         --load-dir /ckpt/megatron --save-dir /ckpt/ours --target-tensor-parallel-size 2 \
         --target-pipeline-parallel-size 2 --reshard-optimizer
 
-Loaders: ``megatron`` (Megatron-LM legacy torch format, read through an allowlist, never executing code),
+Loaders: ``megatron`` (Megatron-LM legacy torch format, also pre-Core files of ``checkpoint_version`` 0-3, and
+``torch_dist``, read through an allowlist, never executing code),
 ``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2; for BERT ``BertForPreTraining`` post-LN or
 ``MegatronBertForPreTraining`` pre-LN). Savers: ``ours``, ``megatron`` (any target TP/PP;
-``--reshard-optimizer`` carries optimizer, scheduler and, when the layout is unchanged, RNG state) and ``hf``.
+``--reshard-optimizer`` carries optimizer, scheduler and, when the layout is unchanged, RNG state), ``torch_dist``
+(Megatron-LM's ``--ckpt-format torch_dist``; the optimizer as its distributed optimizer's) and ``hf``.
 Prints what it converted; refuses shapes and options it does not understand, naming them. See docs/checkpoints.md.
 """
 
@@ -24,7 +26,7 @@ sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]
 from megatron.core.checkpoint_formats import CheckpointFormatError, get_family  # noqa: E402
 
 LOADERS = ("megatron", "ours", "hf")
-SAVERS = ("ours", "megatron", "hf")
+SAVERS = ("ours", "megatron", "torch_dist", "hf")
 
 
 def _positive(flag: str):
@@ -61,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-file", default=None,
                    help="GPT-2 vocab.json or BERT WordPiece vocab.txt (default: the saved arguments')")
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: the saved arguments')")
+    p.add_argument("--num-attention-heads", type=_positive("--num-attention-heads"), default=None,
+                   help="--loader megatron: the model's attention heads, for a pre-Core checkpoint that stores no "
+                        "arguments")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive("--make-vocab-size-divisible-by"),
                    default=None, help="vocabulary padding of an hf source (default 128)")
     opts = p.parse_args(argv)
@@ -91,7 +96,8 @@ def convert(opts) -> int:
     if opts.saver != "hf":
         ttp = opts.target_tensor_parallel_size or tp
         tpp = opts.target_pipeline_parallel_size or pp
-        what = "model, optimizer and scheduler" if opts.reshard_optimizer else "model (release checkpoint)"
+        what = "model, optimizer and scheduler" if opts.reshard_optimizer else (
+            "model" if opts.saver == "torch_dist" else "model (release checkpoint)")
         print(f"saved {what} as {opts.saver} checkpoint TP={ttp} PP={tpp} (vocabulary padded to "
               f"{d.padded_for(ttp)}): {len(files)} file(s) in {opts.save_dir}", flush=True)
     else:

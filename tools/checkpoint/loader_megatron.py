@@ -1,5 +1,5 @@
 """``--loader megatron``: a Megatron-LM checkpoint folder: legacy torch format (any TP/PP, model and training
-state) read through the allowlist, or torch_dist (model weights)."""
+state; pre-Core files for their weights) read through the allowlist, or torch_dist (model and training state)."""
 
 from megatron.core.checkpoint_formats import CheckpointFormatError, dims_from_args, read_megatron_checkpoint
 from payload import Payload, payload_from_loaded, tokenizer_facts
@@ -7,11 +7,9 @@ from payload import Payload, payload_from_loaded, tokenizer_facts
 
 def load(opts, family) -> Payload:
     loaded = read_megatron_checkpoint(opts.load_dir, family, load_optim=opts.reshard_optimizer,
-                                      load_rng=opts.reshard_optimizer)
+                                      load_rng=opts.reshard_optimizer,
+                                      num_attention_heads=getattr(opts, "num_attention_heads", None))
     if loaded.extra.get("format") == "torch_dist":
-        if opts.reshard_optimizer:
-            raise CheckpointFormatError(f"--reshard-optimizer: {loaded.extra['iter_dir']} is a torch_dist checkpoint, "
-                                        "whose optimizer state is not read; convert the model without it")
         if not loaded.extra.get("args_from_checkpoint"):
             raise CheckpointFormatError(f"{loaded.extra['iter_dir']}/common.pt holds no 'args': the model's sizes "
                                         "are unknown")

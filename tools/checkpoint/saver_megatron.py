@@ -1,7 +1,7 @@
 """``--saver megatron``: a Megatron-LM legacy torch checkpoint at the target TP/PP."""
 
 from megatron.core.checkpoint_formats import write_megatron_checkpoint
-from megatron.core.checkpoint_formats.megatron_lm import rng_to_megatron
+from megatron.core.checkpoint_formats.megatron_state import rng_to_megatron
 from saver_common import shards_and_state
 
 

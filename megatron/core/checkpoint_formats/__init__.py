@@ -12,7 +12,7 @@ Main entry points (see docs/checkpoints.md):
 - :func:`state_for_rank`: one rank's model, optimizer and RNG state at the running layout (load-time resharding)
 """
 
-from megatron.core.checkpoint_formats.common import LoadedCheckpoint, dims_from_args
+from megatron.core.checkpoint_formats.common import SPEC_KEY, LoadedCheckpoint, dims_from_args, spec_from_saved
 from megatron.core.checkpoint_formats.hf_bert import from_hf_bert, load_hf_bert, save_hf_bert, to_hf_bert
 from megatron.core.checkpoint_formats.hf_gpt2 import (build_hf_gpt2, from_hf_gpt2, load_hf_gpt2, save_hf_gpt2,
                                                       to_hf_gpt2)
@@ -26,7 +26,7 @@ from megatron.core.checkpoint_formats.reshard import merge_tp_pp, reshard, split
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file
 
 __all__ = [
-    "BERT", "CheckpointFormatError", "GPT", "build_hf_gpt2", "from_hf_bert", "load_hf_bert", "save_hf_bert",
+    "BERT", "SPEC_KEY", "spec_from_saved", "CheckpointFormatError", "GPT", "build_hf_gpt2", "from_hf_bert", "load_hf_bert", "save_hf_bert",
     "to_hf_bert", "LoadedCheckpoint", "ModelDims", "ModelFamily", "dims_from_args",
     "from_hf_gpt2", "get_family", "load_hf_gpt2", "load_megatron_file", "merge_tp_pp", "pad_vocab_size",
     "read_megatron_checkpoint", "read_our_checkpoint", "register_family", "reshard", "reshard_named",

@@ -11,6 +11,9 @@ import torch
 
 from megatron.core.checkpoint_formats.layout import ModelDims, ModelFamily
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+from megatron.core.model_spec import ModelSpec, spec_from_args
+
+SPEC_KEY = "model_spec"  # our checkpoints: the model's ModelSpec as a plain dict, next to "args"
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -113,6 +116,17 @@ def write_tracker(root: str, iteration: int, release: bool) -> None:
     os.replace(tmp, path)
 
 
+def spec_from_saved(args: Dict[str, Any]) -> ModelSpec:
+    """The model description of a checkpoint's saved arguments: the stored spec (``model_spec``, our checkpoints)
+    or, for older checkpoints and Megatron-LM's, the one their flags describe."""
+    try:
+        if isinstance(args.get(SPEC_KEY), dict):
+            return ModelSpec.from_dict(args[SPEC_KEY])
+        return spec_from_args(args)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointFormatError(f"the checkpoint's model description: {exc}") from None
+
+
 def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]] = None,
                    vocab_size: Optional[int] = None) -> ModelDims:
     """Model sizes from saved arguments (Megatron-LM's or ours); ``full`` fills what the arguments omit.
@@ -120,15 +134,14 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
     ``vocab_size`` is the real vocabulary (default: the arguments' ``vocab_size``); when known, the padding at any
     TP size follows Megatron's rule, as the trainer computes it from the tokenizer."""
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if args.get(k) is None]
-    if missing:
+    if missing and not isinstance(args.get(SPEC_KEY), dict):
         raise CheckpointFormatError(f"the checkpoint's saved arguments lack {missing[0]}")
-    h = int(args["hidden_size"])
-    padded = args.get("padded_vocab_size")
-    if padded is None and full is not None:
+    spec = spec_from_saved(args)
+    padded = args.get("padded_vocab_size") or spec.padded_vocab_size
+    if not padded and full is not None:
         padded = full["embedding.word_embeddings.weight"].shape[0]
-    if padded is None:
+    if not padded:
         raise CheckpointFormatError("the checkpoint's saved arguments lack padded_vocab_size")
-    max_pos = args.get("max_position_embeddings") or args.get("seq_length")
     if vocab_size is None and args.get("vocab_size"):  # Megatron-LM's --vocab-size (tokenizers without files)
         vocab_size = int(args["vocab_size"])
         if args.get("tokenizer_type") == "NullTokenizer" and int(padded) > vocab_size:
@@ -136,15 +149,35 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
     dtype = args.get("params_dtype")
     if dtype is None:
         dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
+    return dims_from_spec(spec, padded_vocab_size=int(padded), vocab_size=vocab_size,
+                          make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
+                          params_dtype=str(dtype).replace("torch.", ""), seq_length=args.get("seq_length"))
+
+
+def dims_from_spec(spec: ModelSpec, padded_vocab_size: Optional[int] = None, vocab_size: Optional[int] = None,
+                   make_vocab_size_divisible_by: int = 128, params_dtype: str = "float32",
+                   seq_length: Optional[int] = None) -> ModelDims:
+    """The sizes of the model ``spec`` describes, with what a checkpoint conversion adds: the real vocabulary (when
+    known), the padding rule and the dtype. ``seq_length`` defaults to the spec's."""
     return ModelDims(
-        num_layers=int(args["num_layers"]), hidden_size=h, num_attention_heads=int(args["num_attention_heads"]),
-        ffn_hidden_size=int(args.get("ffn_hidden_size") or 4 * h), max_position_embeddings=int(max_pos),
-        padded_vocab_size=int(padded), vocab_size=vocab_size,
-        make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
-        seq_length=args.get("seq_length"), layernorm_epsilon=float(args.get("layernorm_epsilon") or 1e-5),
-        apply_layernorm_1p=bool(args.get("apply_layernorm_1p", False)),
-        tied_embeddings=not bool(args.get("untie_embeddings_and_output_weights", False)),
-        params_dtype=str(dtype).replace("torch.", ""))
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        ffn_hidden_size=spec.ffn_hidden_size, max_position_embeddings=spec.max_position_embeddings,
+        padded_vocab_size=int(padded_vocab_size or spec.padded_vocab_size), vocab_size=vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        seq_length=spec.seq_length if seq_length is None else seq_length, layernorm_epsilon=spec.layernorm_epsilon,
+        apply_layernorm_1p=spec.layernorm_zero_centered_gamma,
+        tied_embeddings=spec.share_embeddings_and_output_weights, params_dtype=params_dtype)
+
+
+def spec_of_dims(dims: ModelDims, **options) -> ModelSpec:
+    """The spec of a model of these sizes with GPT-2's and BERT's options (LayerNorm, learned positions, GeLU MLP,
+    biases) unless ``options`` (spec fields) say otherwise; the vocabulary as stored."""
+    return ModelSpec(num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+                     num_attention_heads=dims.num_attention_heads, ffn_hidden_size=dims.ffn_hidden_size,
+                     seq_length=dims.seq_length or dims.max_position_embeddings,
+                     max_position_embeddings=dims.max_position_embeddings, padded_vocab_size=dims.padded_vocab_size,
+                     layernorm_epsilon=dims.layernorm_epsilon, layernorm_zero_centered_gamma=dims.apply_layernorm_1p,
+                     share_embeddings_and_output_weights=dims.tied_embeddings, **options)
 
 
 def to_family_order(chunk: Dict[str, torch.Tensor], family: ModelFamily, megatron: bool) -> Dict[str, torch.Tensor]:

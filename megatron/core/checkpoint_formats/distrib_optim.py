@@ -49,9 +49,12 @@ def bucket_size_of(args: Dict[str, Any], chunk: int, pp_rank: int) -> Optional[i
 
 
 def buffer_offsets(params: List[Tuple[str, int]], bucket_size: Optional[int],
-                   own_bucket: Tuple[str, ...] = ()) -> Tuple[Dict[str, int], int]:
+                   own_bucket: Tuple[str, ...] = (), bucket_ends: Optional[List[int]] = None
+                   ) -> Tuple[Dict[str, int], int]:
     """``({name: offset in the file's flat tensor}, flat length)`` for one grad buffer whose parameters are
-    ``[(name, numel)]`` in registration order; ``own_bucket``: names that get a bucket of their own."""
+    ``[(name, numel)]`` in registration order; ``own_bucket``: names that get a bucket of their own;
+    ``bucket_ends``: when given, receives each bucket's end offset in the flat tensor."""
+    ends = bucket_ends if bucket_ends is not None else []
     offsets: Dict[str, int] = {}
     base = 0  # flat offset of the current bucket
     rel = 0  # next free element inside the current bucket
@@ -60,13 +63,17 @@ def buffer_offsets(params: List[Tuple[str, int]], bucket_size: Optional[int],
         rel = _pad(rel, PARAM_ALIGN)
         if name in own_bucket and open_bucket:  # close the bucket before it (its alignment padding included)
             base, rel, open_bucket = base + rel, 0, False
+            ends.append(base)
         offsets[name] = base + rel
         end = rel + numel
         open_bucket = True
         if (bucket_size is not None and end >= bucket_size) or name in own_bucket:
             base, rel, open_bucket = base + end, 0, False
+            ends.append(base)
         else:
             rel = end
+    if open_bucket:
+        ends.append(base + rel)
     return offsets, base + (rel if open_bucket else 0)
 
 
@@ -81,7 +88,13 @@ def read_distrib_optim(path: str, megatron_chunks: List[Dict[str, Any]], args: D
     """``{(chunk, name): {"param", "exp_avg", "exp_avg_sq"}}`` of one model-parallel rank from its
     ``distrib_optim.pt``; ``megatron_chunks`` are the rank's model state dicts as saved (Megatron-Core's
     parameter order, ``_extra_state`` entries included or not)."""
-    state = load_megatron_file(path)
+    return per_param_from_buffers(load_megatron_file(path), path, megatron_chunks, args, pp_rank, own_bucket)
+
+
+def per_param_from_buffers(state: Any, path: str, megatron_chunks: List[Dict[str, Any]], args: Dict[str, Any],
+                           pp_rank: int, own_bucket: Tuple[str, ...] = ()) -> Dict[Tuple[int, str],
+                                                                                   Dict[str, torch.Tensor]]:
+    """:func:`read_distrib_optim` of the file's content ``state`` (``path`` names it in messages)."""
     if isinstance(state, list):
         if len(state) != 1:
             raise CheckpointFormatError(f"{path}: {len(state)} chained optimizers (expert or decoupled "
@@ -189,3 +202,18 @@ def hyper_from_distributed(opt_sd: dict, where: str) -> Tuple[List[dict], Option
     if hyper[0].get("wd_mult", 1.0) == 0.0 and hyper[1].get("wd_mult", 0.0) != 0.0:
         hyper.reverse()
     return hyper, (steps.pop() if steps else None)
+
+
+def buffer_buckets(megatron_chunks: List[Dict[str, Any]], args: Dict[str, Any], pp_rank: int,
+                   own_bucket: Tuple[str, ...] = ()) -> Dict[int, Tuple[Tuple[torch.dtype, torch.dtype], List[int]]]:
+    """``{grad buffer index: ((param dtype, grad dtype), [each bucket's end offset in the flat buffer])}`` of one
+    model-parallel rank, numbered as :func:`read_distrib_optim` numbers them."""
+    out = {}
+    gbuf = 0
+    for c, chunk in enumerate(megatron_chunks):
+        for dtype, params in _params_by_dtype(chunk).items():
+            ends: List[int] = []
+            buffer_offsets([(n, v.numel()) for n, v in params], bucket_size_of(args, c, pp_rank), own_bucket, ends)
+            out[gbuf] = ((dtype, _grad_dtype(dtype, args)), ends)
+            gbuf += 1
+    return out

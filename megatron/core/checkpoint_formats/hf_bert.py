@@ -20,9 +20,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.core.checkpoint_formats.hf_gpt2 import read_hf_weights
+from megatron.core.checkpoint_formats.common import dims_from_spec, spec_of_dims
+from megatron.core.checkpoint_formats.hf_gpt2 import GPT2_OPTIONS, check_spec_options, read_hf_weights
 from megatron.core.checkpoint_formats.layout import ModelDims, pad_vocab_size
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+from megatron.core.model_spec import ModelSpec
 from megatron.core.models.bert_hf_mapping import (encoder_to_hf_bert, has_binary_head, hf_to_megatron_bert,
                                                  megatron_to_hf_bert)
 
@@ -72,19 +74,41 @@ def to_hf_bert(full: Dict[str, torch.Tensor], dims: ModelDims, post_ln: bool) ->
     return {k: v.contiguous() for k, v in hf.items()}
 
 
-def hf_bert_config(dims: ModelDims, post_ln: bool, binary_head: bool, pad_id: Optional[int] = None,
+def hf_bert_config(spec: ModelSpec, vocab_size: Optional[int], binary_head: bool, pad_id: Optional[int] = None,
                    dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> dict:
+    """``config.json`` of the BERT ``spec`` describes (post-LN: ``BertForPreTraining``, pre-LN: Megatron-BERT),
+    with ``vocab_size`` real rows (default: the spec's)."""
+    options = dict(GPT2_OPTIONS, attention_mask_type="padding",
+                   apply_residual_connection_post_layernorm=spec.apply_residual_connection_post_layernorm)
+    options.pop("layernorm_zero_centered_gamma")  # exported as gamma (plus one)
+    check_spec_options(spec, options, "BERT")
+    post_ln = spec.apply_residual_connection_post_layernorm
     hidden_dropout, attention_dropout = dropout
     return {
         "model_type": "bert" if post_ln else "megatron-bert", "architectures": [_CLASSES[(post_ln, binary_head)]],
-        "vocab_size": dims.vocab_size, "hidden_size": dims.hidden_size, "num_hidden_layers": dims.num_layers,
-        "num_attention_heads": dims.num_attention_heads, "intermediate_size": dims.ffn_hidden_size,
-        "hidden_act": "gelu", "hidden_dropout_prob": hidden_dropout, "attention_probs_dropout_prob": attention_dropout,
-        "max_position_embeddings": dims.max_position_embeddings, "type_vocab_size": 2 if binary_head else 1,
-        "initializer_range": init_std, "layer_norm_eps": dims.layernorm_epsilon,
-        "pad_token_id": 0 if pad_id is None else pad_id, "position_embedding_type": "absolute",
-        "tie_word_embeddings": dims.tied_embeddings,
+        "vocab_size": vocab_size or spec.padded_vocab_size, "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
+        "intermediate_size": spec.ffn_hidden_size, "hidden_act": "gelu", "hidden_dropout_prob": hidden_dropout,
+        "attention_probs_dropout_prob": attention_dropout, "max_position_embeddings": spec.max_position_embeddings,
+        "type_vocab_size": 2 if binary_head else 1, "initializer_range": init_std,
+        "layer_norm_eps": spec.layernorm_epsilon, "pad_token_id": 0 if pad_id is None else pad_id,
+        "position_embedding_type": "absolute", "tie_word_embeddings": spec.share_embeddings_and_output_weights,
     }
+
+
+def spec_from_hf_bert_config(config: dict, make_vocab_size_divisible_by: int = 128) -> ModelSpec:
+    """The ``ModelSpec`` of a BERT or Megatron-BERT ``config.json`` (post-LN for ``bert``; the vocabulary padded by
+    Megatron's rule at TP 1)."""
+    max_pos = int(config["max_position_embeddings"])
+    return ModelSpec(num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]),
+                     num_attention_heads=int(config["num_attention_heads"]),
+                     ffn_hidden_size=int(config["intermediate_size"]), seq_length=max_pos,
+                     max_position_embeddings=max_pos,
+                     padded_vocab_size=pad_vocab_size(int(config["vocab_size"]), make_vocab_size_divisible_by, 1),
+                     layernorm_epsilon=float(config.get("layer_norm_eps", 1e-12)),
+                     share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", True)),
+                     **dict(GPT2_OPTIONS, attention_mask_type="padding",
+                            apply_residual_connection_post_layernorm=config.get("model_type") == "bert"))
 
 
 def _write_tokenizer(out_dir: str, vocab_file: str, vocab_size: int, lower_case: bool, max_len: int) -> None:
@@ -134,7 +158,9 @@ def save_hf_bert(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, p
     hf_sd = to_hf_bert(full, dims, post_ln)
     binary = "binary_head.weight" in full
     pad_id = _pad_id(vocab_file)
-    cfg = hf_bert_config(dims, post_ln, binary, pad_id, dropout, init_std)
+    cfg = hf_bert_config(spec_of_dims(dims, attention_mask_type="padding",
+                                      apply_residual_connection_post_layernorm=post_ln),
+                         dims.vocab_size, binary, pad_id, dropout, init_std)
     arch = cfg.pop("architectures")[0]
     cfg.pop("model_type")
     config_cls = transformers.BertConfig if post_ln else transformers.MegatronBertConfig
@@ -173,7 +199,9 @@ def save_hf_bert_finetuned(out_dir: str, full: Dict[str, torch.Tensor], dims: Mo
     hf_sd = encoder_to_hf_bert(state, dims.num_layers, dims.num_attention_heads, dims.vocab_size, post_ln)
     hf_sd["classifier.weight"], hf_sd["classifier.bias"] = full[f"{head}.weight"], full[f"{head}.bias"]
     pad_id = _pad_id(vocab_file)
-    cfg = hf_bert_config(dims, post_ln, True, pad_id, dropout, init_std)
+    cfg = hf_bert_config(spec_of_dims(dims, attention_mask_type="padding",
+                                      apply_residual_connection_post_layernorm=post_ln),
+                         dims.vocab_size, True, pad_id, dropout, init_std)
     cfg.pop("architectures"), cfg.pop("model_type"), cfg.pop("tie_word_embeddings")
     if head == "classification_head":
         cfg["num_labels"] = int(full[f"{head}.weight"].shape[0])
@@ -223,17 +251,12 @@ def from_hf_bert(hf_sd: Dict[str, torch.Tensor], config: dict, make_vocab_size_d
     if binary and types is not None and types.shape[0] != 2:
         raise CheckpointFormatError(f"{where}: type_vocab_size {types.shape[0]} is not supported (BERT with the "
                                     "binary head has 2 token types)")
-    tied = bool(config.get("tie_word_embeddings", True))
+    spec = spec_from_hf_bert_config(config, make_vocab_size_divisible_by)
+    tied = spec.share_embeddings_and_output_weights
     if not tied and "cls.predictions.decoder.bias" in sd:  # untied, transformers adds the decoder's own bias
         sd["cls.predictions.bias"] = sd["cls.predictions.decoder.bias"]
-    dims = ModelDims(num_layers=layers, hidden_size=int(config["hidden_size"]), num_attention_heads=heads,
-                     ffn_hidden_size=int(config["intermediate_size"]),
-                     max_position_embeddings=int(config["max_position_embeddings"]),
-                     padded_vocab_size=pad_vocab_size(vocab, make_vocab_size_divisible_by, 1), vocab_size=vocab,
-                     make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                     seq_length=int(config["max_position_embeddings"]),
-                     layernorm_epsilon=float(config.get("layer_norm_eps", 1e-12)), tied_embeddings=tied,
-                     params_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"))
+    dims = dims_from_spec(spec, vocab_size=vocab, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                          params_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"))
     try:
         full = hf_to_megatron_bert(sd, layers, heads, dims.padded_vocab_size, tied=tied)
     except KeyError as exc:

@@ -28,9 +28,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.core.checkpoint_formats.common import dims_from_spec, spec_of_dims
 from megatron.core.checkpoint_formats.layout import ModelDims, pad_vocab_size
 from megatron.core.checkpoint_formats.reshard import resize_vocab_rows
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+from megatron.core.model_spec import ModelSpec
 
 _LAYER_MAP = [  # (ours, HF, Conv1D transpose)
     ("input_layernorm.weight", "ln_1.weight", False), ("input_layernorm.bias", "ln_1.bias", False),
@@ -83,17 +85,53 @@ def to_hf_gpt2(full: Dict[str, torch.Tensor], dims: ModelDims) -> Dict[str, torc
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def hf_gpt2_config(dims: ModelDims, eod: Optional[int], dropout: Tuple[float, float] = (0.0, 0.0),
-                   init_std: float = 0.02) -> dict:
+# the spec of every GPT-2 (the options its config.json cannot change)
+GPT2_OPTIONS = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", gated_linear_unit=False,
+                    activation="gelu", add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False,
+                    layernorm_zero_centered_gamma=False, apply_residual_connection_post_layernorm=False,
+                    attention_mask_type="causal")
+
+
+def check_spec_options(spec: ModelSpec, options: dict, model: str) -> None:
+    """Refuse, naming the field, a spec with an option ``model``'s configuration cannot hold."""
+    for name, want in options.items():
+        if getattr(spec, name) != want:
+            raise CheckpointFormatError(f"a Hugging Face {model} cannot hold {name} = {getattr(spec, name)} "
+                                        f"(it has {want})")
+    if spec.num_query_groups != spec.num_attention_heads or spec.kv_channels * spec.num_attention_heads != \
+            spec.hidden_size:
+        raise CheckpointFormatError(f"a Hugging Face {model} has one key/value head of hidden_size / heads channels "
+                                    "per query head")
+
+
+def hf_gpt2_config(spec: ModelSpec, vocab_size: Optional[int], eod: Optional[int],
+                   dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> dict:
+    """``config.json`` of the GPT-2 ``spec`` describes, with ``vocab_size`` real rows (default: the spec's)."""
+    options = dict(GPT2_OPTIONS)
+    options.pop("layernorm_zero_centered_gamma")  # exported as gamma (plus one)
+    check_spec_options(spec, options, "GPT2LMHeadModel")
     hidden_dropout, attention_dropout = dropout
     return {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": dims.vocab_size,
-        "n_positions": dims.max_position_embeddings, "n_embd": dims.hidden_size, "n_layer": dims.num_layers,
-        "n_head": dims.num_attention_heads, "n_inner": dims.ffn_hidden_size, "activation_function": "gelu",
-        "layer_norm_epsilon": dims.layernorm_epsilon, "resid_pdrop": hidden_dropout, "embd_pdrop": hidden_dropout,
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab_size or spec.padded_vocab_size,
+        "n_positions": spec.max_position_embeddings, "n_embd": spec.hidden_size, "n_layer": spec.num_layers,
+        "n_head": spec.num_attention_heads, "n_inner": spec.ffn_hidden_size, "activation_function": "gelu",
+        "layer_norm_epsilon": spec.layernorm_epsilon, "resid_pdrop": hidden_dropout, "embd_pdrop": hidden_dropout,
         "attn_pdrop": attention_dropout, "initializer_range": init_std, "scale_attn_weights": True,
-        "tie_word_embeddings": dims.tied_embeddings, "bos_token_id": eod, "eos_token_id": eod,
+        "tie_word_embeddings": spec.share_embeddings_and_output_weights, "bos_token_id": eod, "eos_token_id": eod,
     }
+
+
+def spec_from_hf_gpt2_config(config: dict, make_vocab_size_divisible_by: int = 128) -> ModelSpec:
+    """The ``ModelSpec`` of a GPT-2 ``config.json`` (the vocabulary padded by Megatron's rule at TP 1)."""
+    n_positions = int(config["n_positions"])
+    return ModelSpec(num_layers=int(config["n_layer"]), hidden_size=int(config["n_embd"]),
+                     num_attention_heads=int(config["n_head"]),
+                     ffn_hidden_size=int(config.get("n_inner") or 4 * int(config["n_embd"])),
+                     seq_length=n_positions, max_position_embeddings=n_positions,
+                     padded_vocab_size=pad_vocab_size(int(config["vocab_size"]), make_vocab_size_divisible_by, 1),
+                     layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
+                     share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", True)),
+                     **GPT2_OPTIONS)
 
 
 def build_hf_gpt2(full: Dict[str, torch.Tensor], dims: ModelDims, eod: Optional[int] = None,
@@ -106,8 +144,9 @@ def build_hf_gpt2(full: Dict[str, torch.Tensor], dims: ModelDims, eod: Optional[
     hf_sd = to_hf_gpt2(full, dims)
     if dtype is None:
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
-    cfg = {k: v for k, v in hf_gpt2_config(dims, eod, dropout, init_std).items() if k not in ("model_type",
-                                                                                            "architectures")}
+    spec = spec_of_dims(dims)
+    cfg = {k: v for k, v in hf_gpt2_config(spec, dims.vocab_size, eod, dropout, init_std).items()
+           if k not in ("model_type", "architectures")}
     with torch.device("meta"):  # no random initialisation: every weight is assigned below
         model = GPT2LMHeadModel(GPT2Config(**cfg))
     if attn_implementation is not None:
@@ -173,17 +212,11 @@ def from_hf_gpt2(hf_sd: Dict[str, torch.Tensor], config: dict, make_vocab_size_d
     """A GPT-2 state dict and its ``config.json`` -> ``(our full state dict, sizes, notes)``."""
     notes = _check_config(config, where)
     sd = {(k[len("transformer."):] if k.startswith("transformer.") else k): v for k, v in hf_sd.items()}
-    h, n_layer, heads = int(config["n_embd"]), int(config["n_layer"]), int(config["n_head"])
-    vocab = int(config["vocab_size"])
-    tied = bool(config.get("tie_word_embeddings", True))
-    dims = ModelDims(num_layers=n_layer, hidden_size=h, num_attention_heads=heads,
-                     ffn_hidden_size=int(config.get("n_inner") or 4 * h),
-                     max_position_embeddings=int(config["n_positions"]),
-                     padded_vocab_size=pad_vocab_size(vocab, make_vocab_size_divisible_by, 1), vocab_size=vocab,
-                     make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                     seq_length=int(config["n_positions"]),
-                     layernorm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)), tied_embeddings=tied,
-                     params_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"))
+    spec = spec_from_hf_gpt2_config(config, make_vocab_size_divisible_by)
+    n_layer, heads = spec.num_layers, spec.num_attention_heads
+    dims = dims_from_spec(spec, vocab_size=int(config["vocab_size"]),
+                          make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                          params_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"))
 
     def take(key: str) -> torch.Tensor:
         if key not in sd:
@@ -208,7 +241,7 @@ def from_hf_gpt2(hf_sd: Dict[str, torch.Tensor], config: dict, make_vocab_size_d
     full["decoder.final_layernorm.weight"] = take("ln_f.weight")
     full["decoder.final_layernorm.bias"] = take("ln_f.bias")
     head = sd.pop("lm_head.weight", None)
-    if not tied:
+    if not spec.share_embeddings_and_output_weights:
         if head is None:
             raise CheckpointFormatError(f"{where}: tie_word_embeddings is false but lm_head.weight is missing")
         full["output_layer.weight"] = resize_vocab_rows(head, dims.padded_vocab_size)

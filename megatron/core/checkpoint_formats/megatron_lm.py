@@ -7,27 +7,31 @@ local layer spec); the optimizer is the torch optimizer's state dict (fp32) or `
 [per group], grad_scaler (fp16 only)}`` (bf16/fp16) in Megatron-Core's parameter order; ``opt_param_scheduler``
 counts samples; ``rng_state`` is a list with one dict per data-parallel rank; ``num_floating_point_operations_so_far``
 is top level. The distributed optimizer's ``distrib_optim.pt`` is read by ``distrib_optim.py``; ``torch_dist``
-checkpoints give their model weights (``megatron_dist.py``).
+checkpoints by ``megatron_dist.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 
 from megatron.core.checkpoint_formats import optimizer_state as optim
-from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
-                                                     rank_dir, rank_files, read_tracker,
+from megatron.core.checkpoint_formats.common import (FILE, SPEC_KEY, LoadedCheckpoint, atomic_save, chunk_keys,
+                                                     model_chunks, rank_dir, rank_files, read_tracker, spec_from_saved,
                                                      to_family_order, write_tracker)
 from megatron.core.checkpoint_formats.distrib_optim import (distributed_optimizer_groups, hyper_from_distributed,
                                                              own_bucket_names, read_distrib_optim,
                                                              write_distrib_optim)
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily, check_supported_args
+from megatron.core.checkpoint_formats.megatron_precore import core_view
+from megatron.core.checkpoint_formats.megatron_state import (rng_from_megatron, rng_to_megatron,
+                                                             scheduler_from_megatron, scheduler_to_megatron)
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, load_megatron_file, to_plain
+from megatron.core.model_spec import spec_to_args
 
 CHECKPOINT_VERSION = 3.0
 DISTRIB_OPTIM = "distrib_optim.pt"
@@ -53,102 +57,34 @@ def _distributed_to_named(opt_sd: dict, distrib: str, mg_chunks, plain_mg, args:
     return optim.named_from_keys(plain_mg, per_key), meta
 
 
-# ---- scheduler and RNG layouts --------------------------------------------------------------------------------
-def _global_batch(args: Dict[str, Any], where: str) -> int:
-    gbs = args.get("global_batch_size")
-    if not gbs:
-        raise CheckpointFormatError(f"{where}: the saved arguments lack global_batch_size, needed to convert the "
-                                    "scheduler between samples and iterations")
-    return int(gbs)
-
-
-def scheduler_from_megatron(sched: dict, args: Dict[str, Any], where: str) -> dict:
-    """Megatron-LM's sample-based scheduler state as ours (steps in iterations)."""
-    gbs = _global_batch(args, where)
-    if args.get("rampup_batch_size"):
-        raise CheckpointFormatError(f"{where}: --rampup-batch-size runs count samples unevenly; their scheduler "
-                                    "cannot be mapped to iterations")
-    if sched.get("wd_incr_style", "constant") != "constant" or sched.get("start_wd") != sched.get("end_wd"):
-        raise CheckpointFormatError(f"{where}: --weight-decay-incr-style {sched.get('wd_incr_style')} (start_wd "
-                                    f"{sched.get('start_wd')} -> end_wd {sched.get('end_wd')}) is not supported")
-    return {"max_lr": sched["max_lr"], "min_lr": sched["min_lr"], "warmup_steps": sched["lr_warmup_steps"] // gbs,
-            "decay_steps": sched["lr_decay_steps"] // gbs, "decay_style": sched["lr_decay_style"],
-            "weight_decay": sched["start_wd"], "num_steps": sched["num_steps"] // gbs}
-
-
-def scheduler_to_megatron(sched: dict, args: Dict[str, Any]) -> dict:
-    """Ours as Megatron-LM's sample-based scheduler state. Megatron-LM sets ``wd_incr_steps`` to
-    ``train_iters x global batch`` and checks it on resume, so it is taken from the arguments when they hold it."""
-    gbs = _global_batch(args, "our checkpoint")
-    wd_iters = args.get("train_iters") or sched["decay_steps"]
-    return {"max_lr": sched["max_lr"], "lr_warmup_steps": sched["warmup_steps"] * gbs,
-            "num_steps": sched["num_steps"] * gbs, "lr_decay_style": sched["decay_style"],
-            "lr_decay_steps": sched["decay_steps"] * gbs, "min_lr": sched["min_lr"],
-            "start_wd": sched["weight_decay"], "end_wd": sched["weight_decay"], "wd_incr_style": "constant",
-            "wd_incr_steps": int(wd_iters) * gbs}
-
-
-CPU_TRACKER_KEY = "cpu_rng_tracker_states"
-
-
-def rng_from_megatron(rng_list, where: str) -> dict:
-    """Data-parallel rank 0's Megatron-LM RNG state as ours. Megatron's tracker holds CUDA states only; each
-    tracked name gets its CPU stream from ``cpu_rng_tracker_states`` when the file has it (our writer adds it),
-    else the default CPU state."""
-    if not isinstance(rng_list, (list, tuple)) or not rng_list:
-        raise CheckpointFormatError(f"{where}: rng_state is not a list of per-rank dicts")
-    r = rng_list[0]
-    version, state, gauss = r["random_rng_state"]
-    name, keys, pos, has_gauss, cached = r["np_rng_state"]
-    cpu = r["torch_rng_state"]
-    cpu_tracker = r.get(CPU_TRACKER_KEY) or {}
-    names = set(r.get("rng_tracker_states") or {}) | set(cpu_tracker)
-    cuda_tracker = r.get("rng_tracker_states") or {}
-    return {"random": [version, list(state), gauss],
-            "np_random": [name, torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos), int(has_gauss),
-                          float(cached)],
-            "torch_cpu": cpu, "cuda": r.get("cuda_rng_state"),
-            "tracker": {k: {"cpu": (cpu_tracker[k] if k in cpu_tracker else cpu).clone(), "cuda": cuda_tracker.get(k)}
-                        for k in sorted(names)}}
-
-
-def rng_to_megatron(ours: dict) -> list:
-    """Ours as Megatron-LM's per-rank list (one dict: data-parallel ranks share the streams). Megatron's keys hold
-    the CUDA states (``None`` when the state was taken without a GPU: Megatron-LM then needs ``--no-load-rng``);
-    ``cpu_rng_tracker_states`` adds the tracker's CPU streams, which Megatron-LM ignores and our reader restores."""
-    version, state, gauss = ours["random"]
-    name, keys, pos, has_gauss, cached = ours["np_random"]
-    return [{"random_rng_state": (version, tuple(state), gauss),
-             "np_rng_state": (name, np.asarray(keys.numpy() if torch.is_tensor(keys) else keys).astype(np.uint32),
-                              int(pos), int(has_gauss), float(cached)),
-             "torch_rng_state": ours["torch_cpu"], "cuda_rng_state": ours.get("cuda"),
-             "rng_tracker_states": {k: st.get("cuda") for k, st in ours["tracker"].items()},
-             CPU_TRACKER_KEY: {k: st["cpu"] for k, st in ours["tracker"].items()}}]
-
-
 # ---- read ---------------------------------------------------------------------------------------------------------
 def read_megatron_checkpoint(root: str, family: ModelFamily = GPT, load_optim: bool = True,
-                             load_rng: bool = True, iteration: Optional[int] = None) -> LoadedCheckpoint:
+                             load_rng: bool = True, iteration: Optional[int] = None,
+                             num_attention_heads: Optional[int] = None) -> LoadedCheckpoint:
     """Read a Megatron-LM legacy checkpoint folder (any TP/PP) into our layouts.
 
     Returns ``(model_state_per_rank, optimizer, scheduler, rng, iteration, consumed_samples, args_dict, extra)``:
     model state dicts without ``_extra_state`` (our module order), our trainer's optimizer state dicts (same
     precision wrapper, our parameter order), our scheduler state (iterations), our RNG state per rank.
-    A ``torch_dist`` folder gives its model weights only (``megatron_dist.read_torch_dist_checkpoint``).
-    ``iteration``: read that one instead of the tracker's (a fallback to an older intact checkpoint)."""
+    A ``torch_dist`` folder is read by ``megatron_dist.read_torch_dist_checkpoint``.
+    ``iteration``: read that one instead of the tracker's (a fallback to an older intact checkpoint);
+    ``num_attention_heads``: the model's, for a pre-Core file that stores no arguments."""
     if iteration is None:
         iteration, iter_dir = read_tracker(root)
     else:
         iter_dir = os.path.join(root, f"iter_{iteration:07d}")
-    if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # torch_dist: model weights only
+    if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # torch_dist
         from megatron.core.checkpoint_formats.megatron_dist import read_torch_dist_checkpoint
 
-        return read_torch_dist_checkpoint(root, family)
+        return read_torch_dist_checkpoint(root, family, load_optim=load_optim, load_rng=load_rng,
+                                          iteration=iteration)
     files = rank_files(iter_dir)
     models, optimizers, named, rngs, fp8 = {}, {}, {}, {}, {}
     sched_raw, args, first = None, None, None
     for rank, path in sorted(files.items()):
         state = load_megatron_file(path)
+        if isinstance(state, dict):  # a pre-Core file: its weights under Core names (megatron_precore.py)
+            state = core_view(state, family, 1 + max(t for t, _ in files), num_attention_heads, path)
         if not isinstance(state, dict) or "args" not in state:
             raise CheckpointFormatError(f"{path} is not a Megatron-LM training checkpoint (no 'args')")
         if isinstance(state["args"], dict):
@@ -235,17 +171,17 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
     """An ``argparse.Namespace`` of the run's flags as Megatron-LM saves them: the model sizes and layout it checks
     on resume (``check_checkpoint_args``), ``consumed_train_samples``; ``extra`` adds or overrides fields."""
     plain = {k: v for k, v in args.items() if not (isinstance(v, str) and v.startswith(("ModelType.", "AttnBackend.")))}
+    # the model as the arguments describe it (a stored spec, or the flags), with the sizes of the model written
+    sizes = dict(num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_attention_heads,
+                 ffn_hidden_size=dims.ffn_hidden_size, max_position_embeddings=dims.max_position_embeddings,
+                 seq_length=dims.seq_length or dims.max_position_embeddings, norm_epsilon=dims.layernorm_epsilon,
+                 apply_layernorm_1p=dims.apply_layernorm_1p,
+                 untie_embeddings_and_output_weights=not dims.tied_embeddings)
+    spec = dataclasses.replace(spec_from_saved({**args, **sizes}), padded_vocab_size=dims.padded_for(tp))
+    plain.pop(SPEC_KEY, None)
+    plain.update(spec_to_args(spec))
     plain.update(
-        num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size,
-        num_attention_heads=dims.num_attention_heads, kv_channels=dims.hidden_size // dims.num_attention_heads,
-        max_position_embeddings=dims.max_position_embeddings,
-        seq_length=dims.seq_length or dims.max_position_embeddings,
-        padded_vocab_size=dims.padded_for(tp), make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
-        layernorm_epsilon=dims.layernorm_epsilon, norm_epsilon=dims.layernorm_epsilon,
-        apply_layernorm_1p=dims.apply_layernorm_1p,
-        untie_embeddings_and_output_weights=not dims.tied_embeddings, position_embedding_type="learned_absolute",
-        normalization="LayerNorm", add_bias_linear=True, add_position_embedding=True, swiglu=False,
-        group_query_attention=False, num_query_groups=dims.num_attention_heads,
+        make_vocab_size_divisible_by=dims.make_vocab_size_divisible_by,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None, consumed_train_samples=consumed,
         consumed_valid_samples=int(args.get("consumed_valid_samples") or 0), iteration=iteration,

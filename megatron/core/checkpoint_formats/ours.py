@@ -9,8 +9,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron.core.checkpoint_formats import optimizer_state as optim
-from megatron.core.checkpoint_formats.common import (FILE, LoadedCheckpoint, atomic_save, chunk_keys, model_chunks,
-                                                     rank_dir, rank_files, read_tracker, write_tracker)
+from megatron.core.checkpoint_formats.common import (FILE, SPEC_KEY, LoadedCheckpoint, atomic_save, chunk_keys,
+                                                     model_chunks, rank_dir, rank_files, read_tracker, spec_from_saved,
+                                                     write_tracker)
+from megatron.core.model_spec import spec_from_args, spec_to_args
 from megatron.core.checkpoint_formats.layout import ModelDims
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, describe_load_error
 
@@ -50,15 +52,18 @@ def read_our_checkpoint(root: str, load_optim: bool = True, load_rng: bool = Tru
              "fp8_delayed_scaling": first.get("fp8_delayed_scaling")}
     sched = first.get("opt_param_scheduler") if load_optim else None
     return LoadedCheckpoint(models, optimizers or None, sched, rngs or None, int(first.get("iteration", iteration)),
-                            int(first.get("consumed_train_samples", 0)), with_derived_sizes(first["args"], models),
-                            extra)
+                            int(first.get("consumed_train_samples", 0)),
+                            with_derived_sizes(first["args"], models, first.get(SPEC_KEY)), extra)
 
 
-def with_derived_sizes(args: Dict[str, Any], models) -> Dict[str, Any]:
-    """The saved arguments, completed with what the trainer's typed configuration does not store: the padded
-    vocabulary (the word embedding's rows times the TP size) and ``layernorm_epsilon`` (stored as
-    ``norm_epsilon``). Arguments of older checkpoints, which hold both, are returned unchanged."""
+def with_derived_sizes(args: Dict[str, Any], models, spec: Optional[dict] = None) -> Dict[str, Any]:
+    """The saved arguments, completed with the stored model description (``model_spec``, when the checkpoint has
+    one) and with what the trainer's typed configuration does not store: the padded vocabulary (the word
+    embedding's rows times the TP size) and ``layernorm_epsilon`` (stored as ``norm_epsilon``). Arguments of older
+    checkpoints, which hold both, are returned unchanged."""
     out = dict(args)
+    if spec is not None:
+        out[SPEC_KEY] = dict(spec)
     if out.get("layernorm_epsilon") is None and out.get("norm_epsilon") is not None:
         out["layernorm_epsilon"] = out["norm_epsilon"]
     if out.get("padded_vocab_size") is None:
@@ -71,8 +76,10 @@ def with_derived_sizes(args: Dict[str, Any], models) -> Dict[str, Any]:
 
 
 def our_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int) -> Dict[str, Any]:
-    """Saved arguments (plain types) updated with the model's sizes and the written layout."""
-    out = {k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str, list))}
+    """Saved arguments (plain types) updated with the model's sizes and the written layout; the options of a stored
+    model description are carried over as flags."""
+    out = spec_to_args(spec_from_saved(args)) if isinstance(args.get(SPEC_KEY), dict) else {}
+    out.update({k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str, list))})
     out.update(num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size,
                num_attention_heads=dims.num_attention_heads, max_position_embeddings=dims.max_position_embeddings,
                seq_length=dims.seq_length or dims.max_position_embeddings, padded_vocab_size=dims.padded_for(tp),
@@ -97,7 +104,8 @@ def write_our_checkpoint(root: str, model_state_per_rank, dims: ModelDims, args:
     plain = our_args(args, dims, tp, pp)
     written = []
     for (t, p), chunks in sorted(model_state_per_rank.items()):
-        state: Dict[str, Any] = {"args": plain, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+        state: Dict[str, Any] = {"args": plain, SPEC_KEY: spec_from_args(plain).to_dict(),
+                                 "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                                  "consumed_train_samples": consumed_samples}
         for key, c in zip(chunk_keys(len(chunks)), chunks):
             state[key] = {n: v.contiguous() for n, v in c.items()}

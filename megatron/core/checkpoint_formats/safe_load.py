@@ -11,9 +11,10 @@ global is refused before unpickling, with one line naming the global.
 from __future__ import annotations
 
 import argparse
+import io
 import pickle
 import re
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -88,11 +89,15 @@ def allowed_globals() -> Dict[str, Any]:
     return out
 
 
-def load_megatron_file(path: str) -> Any:
-    """``torch.load`` of a Megatron-LM checkpoint file with the allowlist; raises :class:`CheckpointFormatError`."""
+def load_megatron_file(path: str, data: Optional[io.BytesIO] = None) -> Any:
+    """``torch.load`` of a Megatron-LM checkpoint file with the allowlist; raises :class:`CheckpointFormatError`.
+
+    ``data``: the file's bytes when they are not a file of their own (a ``torch_dist`` checkpoint's pickled
+    objects); ``path`` then names them in messages."""
     allowed = allowed_globals()
+    source = path if data is None else data
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(source)
     except Exception as exc:  # not a zip file, truncated, ...
         raise CheckpointFormatError(describe_load_error(path, exc)) from exc
     refused = sorted(set(needed) - set(allowed))
@@ -103,9 +108,11 @@ def load_megatron_file(path: str) -> Any:
     # every stand-in is registered, not only the named ones: an array's dtype instance (e.g. UInt32DType) is built
     # from ``numpy.dtype`` and must itself be allowed
     stand_ins = [(obj, name) for name, obj in allowed.items()]
+    if data is not None:
+        data.seek(0)
     try:
         with torch.serialization.safe_globals(stand_ins):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointFormatError(f"cannot read checkpoint {path}: {type(exc).__name__}: {_one_line(exc)}") from exc
 

@@ -5,7 +5,8 @@ model_optim_rng.pt`` (``release/`` when the tracker says ``release``). The files
 readers in ``megatron.core.checkpoint_formats``: ours (``torch.load(weights_only=True)``, arguments stored as a
 plain dict), Megatron-LM's legacy files (also as our trainer writes them with ``--ckpt-layout megatron``: a pickled
 ``argparse.Namespace`` read through an allowlist of inert stand-ins) and Megatron-Core's ``torch_dist`` folders
-(model weights only). The model is rebuilt from the stored arguments, so inference needs no model flags.
+(model weights only). The model is rebuilt from the stored model description (``model_spec``; for older and
+Megatron-LM checkpoints, from the stored flags), so inference needs no model flags.
 
 Every rank's file is read; when the saved layout differs from the asked one, ``state_for_rank`` reshards the
 model (pipeline stages joined and split evenly again, tensor shards concatenated and re-split, the vocabulary
@@ -14,15 +15,16 @@ padded for the asked TP size as the trainer pads it). Only model weights are kep
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
-from megatron.core.checkpoint_formats import (GPT, CheckpointFormatError, LoadedCheckpoint, dims_from_args,
-                                              load_megatron_file, read_megatron_checkpoint, read_our_checkpoint,
-                                              state_for_rank)
+from megatron.core.checkpoint_formats import (GPT, SPEC_KEY, CheckpointFormatError, LoadedCheckpoint,
+                                              dims_from_args, load_megatron_file, read_megatron_checkpoint,
+                                              read_our_checkpoint, spec_from_saved, state_for_rank)
 from megatron.core.checkpoint_formats.common import rank_files
 from megatron.core.checkpoint_formats.load_time import checkpoint_format
 from megatron.core.checkpoint_formats.reshard import layout_of
@@ -73,34 +75,27 @@ def _rank_file(it_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return os.path.join(it_dir, name, "model_optim_rng.pt")
 
 
-def _first_set(args: dict, *keys: str, default):
-    """The value of the first key that is set: older checkpoints store ``layernorm_epsilon``, the typed
-    configuration ``norm_epsilon`` (and, for now, both)."""
-    for key in keys:
-        if args.get(key) is not None:
-            return args[key]
-    return default
-
-
 def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
                      attention_backend: str = "sdpa") -> TransformerConfig:
-    """An inference configuration (no dropout, no recomputation, no sequence parallelism) from stored args."""
+    """An inference configuration (no dropout, no recomputation, no sequence parallelism) of the stored model: its
+    ``model_spec`` (our checkpoints) or the model its stored flags describe (older and Megatron-LM checkpoints);
+    ``padded_vocab_size`` in ``args`` gives the rows at the layout being built."""
     need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
     missing = [k for k in need if args.get(k) is None]
-    if missing:
+    if missing and not isinstance(args.get(SPEC_KEY), dict):
         raise CheckpointLoadError(f"checkpoint args lack {', '.join(missing)}")
     if dtype is None:
         dtype = _DTYPES.get(str(args.get("params_dtype", "float32")), torch.float32)
-    return TransformerConfig(
-        num_layers=int(args["num_layers"]), hidden_size=int(args["hidden_size"]),
-        num_attention_heads=int(args["num_attention_heads"]), ffn_hidden_size=args.get("ffn_hidden_size"),
-        seq_length=int(args["seq_length"]), max_position_embeddings=args.get("max_position_embeddings"),
-        padded_vocab_size=int(args["padded_vocab_size"]), attention_dropout=0.0, hidden_dropout=0.0,
-        layernorm_epsilon=float(_first_set(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
-        layernorm_zero_centered_gamma=bool(args.get("apply_layernorm_1p", False)), params_dtype=dtype,
-        share_embeddings_and_output_weights=not args.get("untie_embeddings_and_output_weights", False),
-        attention_backend=attention_backend, gradient_accumulation_fusion=False,
-    )
+    spec = spec_from_saved(args)
+    if args.get("padded_vocab_size") is not None:
+        spec = dataclasses.replace(spec, padded_vocab_size=int(args["padded_vocab_size"]))
+    try:
+        config = TransformerConfig.from_spec(spec, attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
+                                             attention_backend=attention_backend, gradient_accumulation_fusion=False)
+        config.check_layer_support()
+        return config
+    except ValueError as exc:
+        raise CheckpointLoadError(f"the stored model: {exc}") from None
 
 
 def _read_checkpoint(load: str, it_dir: str, iteration: Optional[int]) -> LoadedCheckpoint:
@@ -132,8 +127,6 @@ def _plain_args(ckpt: LoadedCheckpoint) -> dict:
     """The stored training arguments as a plain dict, with ``padded_vocab_size`` filled from the embedding rows
     when the arguments lack it."""
     args = dict(ckpt.args_dict)
-    if args.get("norm_epsilon") is None and args.get("layernorm_epsilon") is not None:
-        args["norm_epsilon"] = args["layernorm_epsilon"]
     if args.get("padded_vocab_size") is None:
         src_tp = layout_of(ckpt.model_state_per_rank)[0]
         emb = ckpt.model_state_per_rank[(0, 0)][0].get("embedding.word_embeddings.weight")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core.checkpoint_formats.hf_gpt2 import build_hf_gpt2
-from megatron.core.checkpoint_formats.layout import ModelDims
+from megatron.core.checkpoint_formats.common import dims_from_spec
 
 
 def to_hf_gpt2(model, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
@@ -16,11 +16,7 @@ def to_hf_gpt2(model, dtype: torch.dtype = torch.float32, attn_implementation: s
     model's padded width; dropout is off."""
     cfg = model.config
     tied = cfg.share_embeddings_and_output_weights
-    dims = ModelDims(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                     num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
-                     max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=cfg.padded_vocab_size,
-                     vocab_size=cfg.padded_vocab_size, layernorm_epsilon=cfg.layernorm_epsilon,
-                     apply_layernorm_1p=cfg.layernorm_zero_centered_gamma, tied_embeddings=tied)
+    dims = dims_from_spec(cfg.spec, vocab_size=cfg.padded_vocab_size)
     full = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and torch.is_tensor(v)}
     if tied:
         full.pop("output_layer.weight", None)

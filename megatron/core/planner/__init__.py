@@ -6,4 +6,3 @@ from megatron.core.planner.predict import (  # noqa: F401
     Prediction, SearchSpace, format_prediction, format_table, predict, search,
 )
 from megatron.core.planner.timing import load_calibration  # noqa: F401
-from megatron.core.planner.dry_run import dry_run  # noqa: F401

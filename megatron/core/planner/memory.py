@@ -10,7 +10,8 @@ State (exact; compared byte for byte with the real DDP wrapper and optimizers in
   under the distributed optimizer only the elements of this DP rank's shard of every bucket, padding excluded;
 * optimizer state: Adam's two fp32 moments (SGD: one momentum buffer) per stepped element.
 
-Activations follow Korthikanti et al. 2022 with the terms this framework keeps (``docs/planner.md``).
+Activations follow Korthikanti et al. 2022 with the terms this framework keeps (``docs/planner.md``), on CUDA (the
+default) or, with ``device="cpu"``, as the same code keeps them on the CPU (``tests/unit/planner`` measures those).
 """
 
 from __future__ import annotations
@@ -83,24 +84,44 @@ def param_count(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
 
 
 # ---- activations ---------------------------------------------------------------------------------------
-def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str) -> float:
+DEVICES = ("cuda", "cpu")
+
+
+def _element_bytes(layout: Layout, device: str) -> Tuple[int, int, int]:
+    """``(activation, dropout mask, LayerNorm statistic)`` bytes per element on ``device``.
+
+    CUDA: PyTorch's dropout keeps a bool mask (1 byte) and LayerNorm its mean and rstd in fp32 (the Triton kernel
+    too). CPU: PyTorch's dropout keeps its scaled noise in the activation dtype, and LayerNorm its statistics in
+    the parameters' dtype (here the activation dtype).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    act = 4 if layout.precision == "fp32" else 2
+    return (act, 1, 4) if device == "cuda" else (act, act, act)
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str, device: str = "cuda") -> float:
     """Bytes one transformer layer keeps for backward for one microbatch; ``mode`` none / selective / full.
 
-    Terms (16-bit activations, ``t`` = TP size, ``/t*`` = divided by t only under sequence parallelism):
-    both LayerNorm inputs 4sbh /t*, their statistics 8sb /t*, both LayerNorm outputs 4sbh (the column-parallel
-    GEMMs keep their gathered input under SP, so never /t), q/k/v 6sbh/t and the attention output 2sbh/t
-    (flash attention keeps them; its softmax statistics 4asb/t in fp32), the FC1 output 2sbf/t and the GeLU
-    output 2sbf/t, two dropout masks 4sbh /t* (2 bytes each, when --hidden-dropout > 0). Selective
-    recomputation drops the GeLU output (mlp_act) and the attention statistics (core_attn); the unfused
-    attention adds the softmax output 2as^2b/t (and its dropout mask and output 4as^2b/t with attention dropout).
-    FP8 GEMMs keep 1-byte copies: LayerNorm outputs 2sbh, attention output sbh/t (its 16-bit copy is kept
-    only when the attention core is not recomputed), GeLU output sbf/t, plus the transposed FP8 weights.
-    Full recomputation keeps the layer input only: 2sbh /t*.
+    Terms (16-bit activations, ``t`` = TP size, ``/t*`` = divided by t only under sequence parallelism; ``m`` and
+    ``r`` = bytes of a dropout-mask element and of a LayerNorm statistic, ``_element_bytes``):
+    both LayerNorm inputs 4sbh /t*, their statistics 2 x 2r sb /t*, both LayerNorm outputs 4sbh /t* (the
+    column-parallel GEMMs' inputs: under SP each keeps only its sequence shard and gathers it again in backward),
+    q/k/v 6sbh/t and the attention output 2sbh/t (flash attention keeps them; its softmax statistics 4asb/t in
+    fp32), the FC1 output 2sbf/t and the GeLU output 2sbf/t, two hidden-dropout masks 2m sbh /t* when
+    --hidden-dropout > 0, none with the fused bias-dropout-add on CUDA (it regenerates its mask from a seed).
+    Selective recomputation drops the GeLU output (mlp_act) and the attention statistics (core_attn); the unfused
+    attention adds the softmax output 2as^2b/t and with attention dropout its mask and output (2 + m + 2)as^2b/t.
+    FP8 GEMMs keep 1-byte copies of their inputs: LayerNorm outputs 2sbh (gathered under SP), attention output
+    sbh/t (its 16-bit copy is kept only when the attention core is not recomputed), GeLU output sbf/t, plus the
+    transposed FP8 weights. Full recomputation keeps the layer input only: 2sbh /t*.
     """
     s, b, h, a, f, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.num_attention_heads, \
-        shape.ffn, layout.tp
+        shape.ffn_hidden_size, layout.tp
+    qkv = shape.query_projection_size + 2 * shape.kv_projection_size  # grouped-query attention: fewer k, v
+    glu = 2 if shape.gated_linear_unit else 1  # SwiGLU: FC1 holds [gate; up]
     sp_div = t if layout.sp else 1
-    act = 4 if layout.precision == "fp32" else 2  # bytes per activation element
+    act, mask, stat = _element_bytes(layout, device)
     if mode == "full":
         return act * s * b * h / sp_div
     sel = mode == "selective"
@@ -108,25 +129,28 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str) -> floa
     gelu = sel and "mlp_act" in layout.recompute_modules
     fp8 = layout.precision == "fp8"
     sbh, sbf = s * b * h, s * b * f
-    total = 2 * act * sbh / sp_div + 2 * act * s * b * 2 / sp_div  # LayerNorm inputs and statistics
-    total += (2 if fp8 else 2 * act) * sbh  # LayerNorm outputs (gathered under SP)
-    total += 3 * act * sbh / t  # q, k, v
+    total = 2 * act * sbh / sp_div + 2 * 2 * stat * s * b / sp_div  # LayerNorm inputs and statistics
+    total += 2 * sbh if fp8 else 2 * act * sbh / sp_div  # LayerNorm outputs (FP8: gathered 1-byte copies)
+    total += act * s * b * qkv / t  # q, k, v (grouped-query attention: fewer k, v)
+    if shape.qk_layernorm:
+        total += act * s * b * (shape.query_projection_size + shape.kv_projection_size) / t  # the q, k norm inputs
     if fp8:
         total += sbh / t + (0 if core else act * sbh / t)  # 1-byte projection input; 16-bit attention output
     else:
         total += act * sbh / t  # attention output = projection input
     if layout.attention_backend == "unfused":
         if not core:
-            total += act * a * s * s * b / t * (3 if shape.attention_dropout > 0 else 1)
+            per_score = act + (mask + act if shape.attention_dropout > 0 else 0)  # probs (+ mask, dropped probs)
+            total += per_score * a * s * s * b / t
     elif not core:
         total += 4 * a * s * b / t  # flash softmax statistics, fp32
-    total += act * sbf / t  # FC1 output (the GeLU input)
+    total += act * sbf * glu / t  # FC1 output (the GeLU input; [gate; up] under SwiGLU)
     if not gelu:
         total += (1 if fp8 else act) * sbf / t  # GeLU output (the FC2 input)
-    if shape.hidden_dropout > 0:
-        total += 2 * act * sbh / sp_div  # two dropout masks
+    if shape.hidden_dropout > 0 and not (device == "cuda" and layout.bias_dropout_fusion):
+        total += 2 * mask * sbh / sp_div  # two dropout masks
     if fp8:
-        total += (4 * h * h + 2 * h * f) / t  # transposed FP8 weights kept for the backward
+        total += (h * qkv + shape.query_projection_size * h + (glu + 1) * h * f) / t  # transposed FP8 weights
         total += 4 * (7 if core else 8)  # fp32 scales of the GEMM operands
     return total
 
@@ -151,27 +175,27 @@ class ChunkActivations:
     transient: float  # extra working set while one microbatch of this chunk runs (recompute, logits, loss)
 
 
-def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk) -> ChunkActivations:
+def chunk_activations(shape: ModelShape, layout: Layout, chunk: Chunk, device: str = "cuda") -> ChunkActivations:
     s, b, h, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp
-    act = 4 if layout.precision == "fp32" else 2
+    act, mask, stat = _element_bytes(layout, device)
     sp_div = t if layout.sp else 1
     modes = _layer_modes(layout, chunk.num_layers)
-    full_layer = layer_activation_bytes(shape, layout, "none")
+    full_layer = layer_activation_bytes(shape, layout, "none", device)
     if layout.recompute_granularity == "full" and layout.recompute_method == "uniform":
         k = layout.recompute_num_layers or 1
         groups = -(-chunk.num_layers // k)
-        kept = groups * layer_activation_bytes(shape, layout, "full")
+        kept = groups * layer_activation_bytes(shape, layout, "full", device)
         transient = min(k, chunk.num_layers) * full_layer  # one group recomputed in backward
     else:
-        kept = sum(layer_activation_bytes(shape, layout, m) for m in modes)
+        kept = sum(layer_activation_bytes(shape, layout, m, device) for m in modes)
         transient = full_layer if "full" in modes else 0.0
     transient = max(transient, full_layer * 0.5)  # one layer's gradients during its backward
     if chunk.pre and shape.hidden_dropout > 0:
-        kept += s * b * h / sp_div  # embedding dropout mask (1 byte)
+        kept += mask * s * b * h / sp_div  # embedding dropout mask (PyTorch's dropout)
     if chunk.post:
         v = shape.padded_vocab(t)
         rows = shape.lm_positions * b  # positions projected onto the vocabulary (BERT: the masked-LM selection)
-        sbh, ln_stats = s * b * h, 2 * act * s * b / sp_div  # one LayerNorm's mean and rstd
+        sbh, ln_stats = s * b * h, 2 * stat * s * b / sp_div  # one LayerNorm's mean and rstd
         if shape.model == "bert":
             # final LayerNorm input and output (the LM-head dense input), the dense output and the GeLU output,
             # on this rank's sequence slice, and both LayerNorms' statistics; the vocabulary GEMM's input is the

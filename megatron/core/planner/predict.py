@@ -132,7 +132,7 @@ class SearchSpace:
     precisions: Sequence[str] = ("bf16", "fp8")
     recompute: Sequence[str] = ("none", "selective", "full")
     distributed_optimizer: Sequence[bool] = (False, True)
-    sequence_parallel: Sequence[bool] = (True,)
+    sequence_parallel: Sequence[bool] = (False, True)
 
 
 def _recompute_options(name: str) -> dict:

@@ -1,47 +1,42 @@
 """What the planner reasons about: a model shape, a parallel layout, a cluster, and the parameters of a stage.
 
-Every field is named after the Megatron flag it stands for (``num_layers`` = ``--num-layers``, ...), so that a
-parsed flag set maps onto these values one to one. The parameter enumeration (:func:`chunk_param_numels`) lists
-the parameters one pipeline chunk registers, in registration order, as the models of ``megatron/core/models``
-build them: the distributed-data-parallel buffer layout (and so the exact padding of the distributed optimizer)
-follows from that order.
+The model is a ``ModelSpec`` (``megatron/core/model_spec.py``) with the planner's extras; the layout fields are
+named after the Megatron flags they stand for. The parameter enumeration (:func:`chunk_param_numels`, from
+``megatron.core.model_counts``) lists the parameters one pipeline chunk registers, in registration order, as the
+models of ``megatron/core/models`` build them: the distributed-data-parallel buffer layout (and so the exact
+padding of the distributed optimizer) follows from that order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
+
+from megatron.core import model_counts
+from megatron.core.model_spec import ModelSpec
 
 PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
 RECOMPUTE = (None, "selective", "full")
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """The flags that change memory or time.
+class ModelShape(ModelSpec):
+    """The model (every ``ModelSpec`` field: sizes, query groups, norm, position embedding, MLP, biases, tied or
+    untied output) plus what the planner needs besides.
 
     model: ``gpt`` or ``bert`` (BERT adds token-type embeddings, the LM-head transform with its output bias, and
-    with ``bert_binary_head`` the pooler and binary head; ``--bert-no-binary-head`` also drops the token types).
-    num_layers, hidden_size, ffn_hidden_size (default 4h), num_attention_heads, seq_length,
-    max_position_embeddings (default seq_length), vocab_size (the tokenizer's, padded to a multiple of
-    make_vocab_size_divisible_by x TP), untie_embeddings_and_output_weights, position_embedding_type
-    (``learned_absolute`` holds a [max_pos, h] table; ``rope`` none), attention_dropout, hidden_dropout, and for
-    BERT mask_prob (the masked-LM head projects ``lm_positions`` positions per sample, not all of them).
+    with ``bert_binary_head`` the pooler and binary head; ``--bert-no-binary-head`` also drops the token types; its
+    attention is bidirectional). vocab_size: the tokenizer's, padded to a multiple of make_vocab_size_divisible_by
+    x TP for each layout (``padded_vocab``; ``padded_vocab_size`` holds the padding at TP 1). attention_dropout,
+    hidden_dropout, and for BERT mask_prob (the masked-LM head projects ``lm_positions`` positions per sample).
     """
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
     model: str = "gpt"
-    ffn_hidden_size: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
     vocab_size: int = 50257
     make_vocab_size_divisible_by: int = 128
-    untie_embeddings_and_output_weights: bool = False
-    position_embedding_type: str = "learned_absolute"
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     num_tokentypes: int = 2  # BERT only
@@ -49,30 +44,17 @@ class ModelShape:
     mask_prob: float = 0.15  # BERT only: fixes how many positions per sample reach the vocabulary (lm_positions)
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                     "make_vocab_size_divisible_by"):
+        for name in ("vocab_size", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.model not in ("gpt", "bert"):
             raise ValueError(f"--model must be gpt or bert, got {self.model!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                             f"({self.num_attention_heads})")
-        if self.position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"--position-embedding-type must be learned_absolute or rope, "
-                             f"got {self.position_embedding_type!r}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ValueError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
-        if self.seq_length > self.max_pos:
-            raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings ({self.max_pos})")
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @property
-    def max_pos(self) -> int:
-        return self.max_position_embeddings or self.seq_length
+        if self.model == "bert":
+            object.__setattr__(self, "attention_mask_type", "padding")
+        object.__setattr__(self, "padded_vocab_size", self.padded_vocab(1))
+        super().__post_init__()
 
     @property
     def lm_positions(self) -> int:
@@ -84,12 +66,16 @@ class ModelShape:
 
     @property
     def tied(self) -> bool:
-        return not self.untie_embeddings_and_output_weights
+        return self.share_embeddings_and_output_weights
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron's padding)."""
         multiple = self.make_vocab_size_divisible_by * tp
         return (self.vocab_size + multiple - 1) // multiple * multiple
+
+    def spec_at(self, tp: int) -> ModelSpec:
+        """The model's spec with the vocabulary padded for ``tp`` tensor-parallel ranks."""
+        return dataclasses.replace(self.spec, padded_vocab_size=self.padded_vocab(tp))
 
 
 @dataclass(frozen=True)
@@ -104,7 +90,8 @@ class Layout:
     first/last_stage_layers: ``--decoder-first/last-pipeline-num-layers``; ddp_bucket_size: ``--ddp-bucket-size``;
     overlap_grad_reduce / overlap_param_gather: the ``--overlap-*`` flags; cross_entropy_fusion:
     ``--cross-entropy-loss-fusion``; optimizer: ``--optimizer`` (adam or sgd); cuda_graph: ``--enable-cuda-graph``
-    (the iteration replayed from a CUDA graph: no host floor in the time model).
+    (the iteration replayed from a CUDA graph: no host floor in the time model); bias_dropout_fusion: off with
+    ``--no-bias-dropout-fusion`` (PyTorch's dropout then keeps a 1-byte mask per element; the fused kernel none).
     """
 
     tp: int = 1
@@ -128,6 +115,7 @@ class Layout:
     optimizer: str = "adam"
     attention_backend: str = "sdpa"
     cuda_graph: bool = False
+    bias_dropout_fusion: bool = True
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch_size"):
@@ -233,41 +221,16 @@ def _stage_chunks(num_layers: int, pp: int, vpp: Optional[int], first: Optional[
 
 
 def chunk_param_numels(shape: ModelShape, tp: int, chunk: Chunk) -> List[int]:
-    """Element counts of the trainable parameters of one chunk on one TP rank, in registration order."""
-    h, f, t = shape.hidden_size, shape.ffn, tp
-    v = shape.padded_vocab(tp)
-    out: List[int] = []
-    if chunk.pre:
-        out.append(v // t * h)  # word embeddings (vocab-parallel)
-        if shape.position_embedding_type == "learned_absolute":
-            out.append(shape.max_pos * h)
-        if shape.model == "bert" and shape.num_tokentypes:
-            out.append(shape.num_tokentypes * h)
-    layer = [h, h,  # input LayerNorm
-             3 * h // t * h, 3 * h // t,  # linear_qkv (column-parallel)
-             h * (h // t), h,  # linear_proj (row-parallel; full bias)
-             h, h,  # pre-MLP LayerNorm
-             f // t * h, f // t,  # linear_fc1
-             h * (f // t), h]  # linear_fc2
-    out.extend(layer * chunk.num_layers)
-    if chunk.post:
-        out.extend([h, h])  # final LayerNorm
-        if shape.model == "bert":
-            out.extend([h * h, h, h, h, v // t])  # LM-head dense, its LayerNorm, output bias (vocab-parallel)
-        if not (chunk.pre and shape.tied):
-            out.append(v // t * h)  # output layer (its own copy of the tied embedding on a later stage)
-        if shape.model == "bert" and shape.bert_binary_head:
-            out.extend([h * h, h, 2 * h, 2])  # pooler dense, binary head
-    return out
+    """Element counts of the trainable parameters of one chunk on one TP rank, in registration order
+    (``megatron.core.model_counts``)."""
+    return model_counts.chunk_param_numels(shape.spec_at(tp), tp, chunk.num_layers, chunk.pre, chunk.post,
+                                           family=shape.model, num_tokentypes=shape.num_tokentypes,
+                                           bert_binary_head=shape.bert_binary_head)
 
 
 def check_layout(shape: ModelShape, layout: Layout, global_batch_size: int) -> None:
     """Raise ``ValueError`` naming the flag when the layout cannot run this shape and batch."""
-    if shape.num_attention_heads % layout.tp:
-        raise ValueError(f"--num-attention-heads ({shape.num_attention_heads}) is not divisible by "
-                         f"--tensor-model-parallel-size ({layout.tp})")
-    if shape.ffn % layout.tp:
-        raise ValueError(f"--ffn-hidden-size ({shape.ffn}) is not divisible by --tensor-model-parallel-size ({layout.tp})")
+    shape.check_tensor_parallel(layout.tp)
     if layout.sp and shape.seq_length % layout.tp:
         raise ValueError(f"--seq-length ({shape.seq_length}) is not divisible by --tensor-model-parallel-size "
                          f"({layout.tp}) under --sequence-parallel")

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List
 
+from megatron.core.model_counts import num_floating_point_operations
 from megatron.core.planner.shapes import Chunk, Cluster, Layout, ModelShape, stage_chunks
 
 CALIBRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations")
@@ -46,6 +47,17 @@ def load_calibration(kind_or_path: str) -> dict:
         raise ValueError(f"calibration file {path}: missing {', '.join(missing)}")
     data["_path"] = path
     return data
+
+
+def calibrated_gpu_memory_gb(cal: dict) -> float:
+    """The memory per GPU a fit is checked against when ``--gpu-memory-gb`` is not given, in GB (1e9 bytes): the
+    device's total as CUDA reports it (``torch.cuda.mem_get_info``), which ``--calibrate`` stores as
+    ``gpu_memory_gb``. The shipped H200 file holds 150.11 GB = 139.8 GiB (the H200 is sold as "141 GB"); the CUDA
+    context and library workspaces are subtracted by the fit check itself (``outside_allocator_bytes``)."""
+    if "gpu_memory_gb" not in cal:
+        raise ValueError(f"calibration {cal.get('_path', cal.get('gpu_kind', '?'))} has no gpu_memory_gb: give "
+                         "--gpu-memory-gb")
+    return float(cal["gpu_memory_gb"])
 
 
 def dump_calibration(cal: dict, path: str) -> None:
@@ -110,17 +122,19 @@ class ChunkTime:
 
 def chunk_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dict, chunk: Chunk) -> ChunkTime:
     """Forward + backward of one microbatch through one chunk on one GPU."""
-    s, b, h, f, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.ffn, layout.tp
-    d = shape.hidden_size // shape.num_attention_heads  # head dim
+    s, b, h, f, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.ffn_hidden_size, layout.tp
+    d = shape.kv_channels  # head dim
+    qkv, proj = shape.query_projection_size + 2 * shape.kv_projection_size, shape.query_projection_size
+    fc1 = f * (2 if shape.gated_linear_unit else 1)
     prec, tokens = layout.precision, s * b
     act = 4 if prec == "fp32" else 2
     ew_rate = cal["elementwise_gbps"] * 1e9
     sp_div = t if layout.sp else 1
     L = chunk.num_layers
     # GEMMs of one layer, forward; backward = dgrad + wgrad of the same size
-    layer_gemm_fwd = (gemm_seconds(cal, tokens, 3 * h // t, h, prec) + gemm_seconds(cal, tokens, h, h // t, prec)
-                      + gemm_seconds(cal, tokens, f // t, h, prec) + gemm_seconds(cal, tokens, h, f // t, prec))
-    attn_fwd_flops = 2.0 * s * s * b * h / t  # QK^T and xV, causal half
+    layer_gemm_fwd = (gemm_seconds(cal, tokens, qkv // t, h, prec) + gemm_seconds(cal, tokens, h, proj // t, prec)
+                      + gemm_seconds(cal, tokens, fc1 // t, h, prec) + gemm_seconds(cal, tokens, h, f // t, prec))
+    attn_fwd_flops = 2.0 * s * s * b * proj / t  # QK^T and xV, causal half
     if shape.model == "bert":
         attn_fwd_flops *= 2  # bidirectional: the whole s x s square
     # BERT: bidirectional attention with a key-padding mask (no flash kernel takes one): its own measured rate
@@ -244,8 +258,5 @@ def iteration_time(shape: ModelShape, layout: Layout, cluster: Cluster, cal: dic
 
 
 def model_flops_per_iteration(shape: ModelShape, global_batch_size: int) -> float:
-    """Model FLOPs (no recomputation): 3 x forward, the same count as the trainer's log line."""
-    h, L, s, f = shape.hidden_size, shape.num_layers, shape.seq_length, shape.ffn
-    v = shape.padded_vocab(1)
-    per_token = L * (2 * (4 * h * h + 2 * h * f) + 4 * s * h) + 2 * h * v
-    return 3.0 * per_token * global_batch_size * s
+    """Model FLOPs (no recomputation): the trainer's log-line count (``megatron.core.model_counts``)."""
+    return num_floating_point_operations(shape.spec_at(1), global_batch_size)

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from megatron.core.collectives import all_gather_dim0, reduce_scatter_dim0
 from megatron.core.fusions.fp8 import fp8_linear, new_sites
-from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
+from megatron.core.fusions.linear import accumulate_wgrad, linear_with_grad_accumulation_fusion
 from megatron.core.fusions.mlp import bias_gelu_linear
 from megatron.core.fusions.ops import bias_gelu, bias_grad
+from megatron.core.grad_record import fused_target
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -87,16 +88,19 @@ def _empty(shape, config: TransformerConfig) -> nn.Parameter:
 class _SequenceParallelColumnLinear(torch.autograd.Function):
     """Column-parallel GEMM on a sequence-parallel input that keeps only the local shard for the backward.
 
-    Forward: all-gather ``x [s/tp, b, in] -> [s, b, in]``; ``y = x W^T + b``; save ``x`` (the local shard).
-    Backward: all-gather ``x`` again (overlapped with the input-gradient GEMM ``dY W``), then reduce-scatter
-    the input gradient along dimension 0 (overlapped with the weight-gradient GEMM).
+    Forward: all-gather ``x [s/tp, b, in] -> [s, b, in]``; ``y = x W^T + b``; save ``x`` (the local shard), so the
+    layer keeps ``1/tp`` of its input, as in Korthikanti et al. 2022.
+    Backward: all-gather ``x`` again asynchronously while the input-gradient GEMM ``dY W`` runs, then
+    reduce-scatter the input gradient along dimension 0 asynchronously while the weight-gradient GEMM runs. With
+    ``accumulate`` the weight gradient goes straight into the fp32 ``weight.main_grad`` (``fusions/linear.py``).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, accumulate):
         total = all_gather_dim0(x, group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.weight = weight  # the Parameter itself, to reach .main_grad under gradient-accumulation fusion
+        ctx.group, ctx.has_bias, ctx.accumulate = group, bias is not None, accumulate
         return F.linear(total, weight, bias)  # [s, b, out/tp]
 
     @staticmethod
@@ -106,18 +110,23 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         pending_total = all_gather_dim0(x, ctx.group, async_op=True) if need_w else None
         grad_x = None
         if need_x:
-            grad_total = grad_out.matmul(weight)  # [s, b, in], partial over TP
+            grad_total = grad_out.matmul(weight)  # [s, b, in], partial over TP; overlaps the all-gather
             pending_grad_x = reduce_scatter_dim0(grad_total, ctx.group, async_op=True)
         grad_w = grad_b = None
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, out/tp]
         if need_w:
-            total = pending_total.wait()
-            grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out/tp, in]
+            total = pending_total.wait()  # [s, b, in]
+            total2 = total.reshape(-1, total.shape[-1])
+            if ctx.accumulate:
+                accumulate_wgrad(ctx.weight, g2, total2)  # into main_grad; the weight gets no .grad
+            else:
+                grad_w = g2.t().matmul(total2)  # [out/tp, in]; overlaps the reduce-scatter
+            del total, total2
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = bias_grad(g2)
         if need_x:
             grad_x = pending_grad_x.wait()  # [s/tp, b, in]
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def fp8_sites_for(config: TransformerConfig):
@@ -151,10 +160,10 @@ class ColumnParallelLinear(nn.Module):
     element-wise op. ``skip_weight_param_allocation=True`` allocates no weight; ``forward`` must then be given
     one (the output layer tied to the word embedding).
 
-    ``save_gathered_input`` (sequence parallelism only): True keeps the all-gathered ``[s, b, in]`` input for
-    the weight gradient (no extra communication); False keeps only the local ``[s/tp, b, in]`` shard and
-    all-gathers it again in the backward, overlapped with the input-gradient GEMM, as Megatron-LM does; this
-    saves ``(tp - 1)/tp`` of that activation at the cost of one more all-gather per layer in the backward.
+    Under sequence parallelism only the local ``[s/tp, b, in]`` shard of the input is kept for the weight
+    gradient and all-gathered again in the backward, overlapped with the input-gradient GEMM
+    (``_SequenceParallelColumnLinear``, as Korthikanti et al. 2022 and Megatron-Core do). FP8 GEMMs
+    (``config.fp8``) keep their own FP8 copy of the gathered input instead (1 byte per element of ``[s, b, in]``).
     """
 
     def __init__(
@@ -168,11 +177,9 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
-        save_gathered_input: bool = True,
     ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.save_gathered_input = save_gathered_input
         self.config = config
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
@@ -181,8 +188,6 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
         if config.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True is not supported with --sequence-parallel")
-        if config.fp8 is not None and self.sequence_parallel and not save_gathered_input:
-            raise ValueError("ColumnParallelLinear: save_gathered_input=False has no FP8 path (--fp8-format)")
         self.fp8_sites = fp8_sites_for(config)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
@@ -208,8 +213,9 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"ColumnParallelLinear: weight shape {tuple(weight.shape)} should be "
                              f"{(self.output_size_per_partition, self.input_size)}")
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel and not self.save_gathered_input:
-            out = _SequenceParallelColumnLinear.apply(x, weight, bias, self.tp_group)  # [s, b, out/tp]
+        if self.sequence_parallel and self.config.fp8 is None:
+            accumulate = self.gradient_accumulation_fusion and x.is_cuda and fused_target(weight) is not None
+            out = _SequenceParallelColumnLinear.apply(x, weight, bias, self.tp_group, accumulate)  # [s, b, out/tp]
         else:
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]

@@ -8,28 +8,36 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core.fusions.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
+from megatron.core.model_spec import ATTENTION_MASK_TYPES, ModelSpec  # noqa: F401  (re-exported)
 
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
-ATTENTION_MASK_TYPES = ("causal", "padding")
 
 
-@dataclass
-class TransformerConfig:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
-    seq_length: int = 1024
-    max_position_embeddings: Optional[int] = None  # default seq_length
-    padded_vocab_size: int = 0  # set from the tokenizer by the trainer
+# Spec options the transformer layers of this package build, and the flag that asks for each other value: the model
+# builders (the entry points' model providers, the inference loader) call ``check_layer_support`` so that a model
+# asking for another value stops with one line instead of silently ignoring the option.
+LAYER_SUPPORT = (
+    # (field, values the layers build, flag that names the option)
+    ("normalization", ("LayerNorm",), "--normalization"),
+    ("position_embedding_type", ("learned_absolute",), "--position-embedding-type"),
+    ("gated_linear_unit", (False,), "--swiglu"),
+    ("activation", ("gelu",), "--swiglu"),
+    ("add_bias_linear", (True,), "--disable-bias-linear"),
+    ("add_qkv_bias", (False,), "--add-qkv-bias"),
+    ("qk_layernorm", (False,), "--qk-layernorm"),
+)
+
+
+@dataclass(frozen=True)
+class TransformerConfig(ModelSpec):
+    """The model's description (``ModelSpec``, whose fields it inherits) plus the runtime switches of its layers:
+    dropout, initialisation, dtype, parallelism, recomputation, kernels and FP8. ``.spec`` is the plain spec."""
+
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5
-    layernorm_zero_centered_gamma: bool = False
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32  # dtype of the model's parameters (bf16/fp16 under mixed precision)
-    share_embeddings_and_output_weights: bool = True
     sequence_parallel: bool = False
     # activation recomputation: None | "selective" | "full"; method "uniform" | "block"
     recompute_granularity: Optional[str] = None
@@ -55,44 +63,22 @@ class TransformerConfig:
     fp8_recipe: str = "tensorwise"
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
-    # "causal" (GPT: each position sees itself and the past) or "padding" (BERT: bidirectional; the layers take
-    # an optional boolean key-padding mask [b, 1, 1, s], True = masked out)
-    attention_mask_type: str = "causal"
-    # the original BERT order: the residual branch starts from the LayerNorm's output instead of its input
-    # (Megatron-LM's --apply-residual-connection-post-layernorm; docs/bert.md shows it is the post-LN BERT)
-    apply_residual_connection_post_layernorm: bool = False
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.seq_length > self.max_position_embeddings:
-            raise ValueError(
-                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
-                f"({self.max_position_embeddings})"
-            )
+        super().__post_init__()
         if self.recompute_granularity not in (None, "selective", "full"):
             raise ValueError(f"--recompute-granularity must be selective or full, got {self.recompute_granularity}")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
         if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
-        self.recompute_modules = tuple(self.recompute_modules)
+        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
         unknown = sorted(set(self.recompute_modules) - {"core_attn", "mlp_act"})
         if unknown:
             raise ValueError(f"--recompute-modules accepts core_attn and mlp_act, got {', '.join(unknown)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend}")
-        if self.attention_mask_type not in ATTENTION_MASK_TYPES:
-            raise ValueError(f"attention mask type must be one of {', '.join(ATTENTION_MASK_TYPES)}, "
-                             f"got {self.attention_mask_type}")
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ValueError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8}")
         if self.fp8_margin < 0:
@@ -105,14 +91,27 @@ class TransformerConfig:
             raise ValueError(f"--fp8-amax-compute-algo must be one of {', '.join(AMAX_COMPUTE_ALGOS)}, "
                              f"got {self.fp8_amax_compute_algo}")
 
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, **runtime) -> "TransformerConfig":
+        """The spec's fields plus the runtime switches ``runtime`` (TransformerConfig's own field names)."""
+        return cls(**spec.spec.to_dict(), **runtime)
+
+    def check_layer_support(self) -> None:
+        """Stop with one line naming the flag when the spec asks for an option the layers do not build."""
+        for name, values, flag in LAYER_SUPPORT:
+            if getattr(self, name) not in values:
+                raise ValueError(f"{flag}: {name} = {getattr(self, name)} is not built by this package's "
+                                 f"transformer layers (they build {', '.join(map(str, values))})")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError(f"--num-query-groups {self.num_query_groups} (grouped-query attention) is not built by "
+                             f"this package's transformer layers (they build one key/value head per query head)")
+        if self.kv_channels * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"--kv-channels {self.kv_channels} (heads x channels != --hidden-size) is not built by "
+                             "this package's transformer layers")
+
     def check_tensor_parallel(self, tp_size: int) -> None:
-        """The shape constraints of splitting this model over ``tp_size`` tensor-parallel ranks."""
-        if self.num_attention_heads % tp_size:
-            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
-                             f"--tensor-model-parallel-size ({tp_size})")
-        if self.ffn_hidden_size % tp_size:
-            raise ValueError(f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
-                             f"--tensor-model-parallel-size ({tp_size})")
+        """The model's constraints (``ModelSpec``) and sequence parallelism's."""
+        super().check_tensor_parallel(tp_size)
         if self.sequence_parallel and self.seq_length % tp_size:
             raise ValueError(f"--seq-length ({self.seq_length}) must be divisible by --tensor-model-parallel-size "
                              f"({tp_size}) under --sequence-parallel")
@@ -120,7 +119,3 @@ class TransformerConfig:
     def recomputes(self, module: str) -> bool:
         """True when selective recomputation covers ``module`` ("core_attn" or "mlp_act")."""
         return self.recompute_granularity == "selective" and module in self.recompute_modules
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads

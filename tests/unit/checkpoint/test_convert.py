@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from megatron.core.checkpoint_formats import load_megatron_file, read_our_checkpoint
+from megatron.core.checkpoint_formats import load_megatron_file, read_megatron_checkpoint, read_our_checkpoint
 from tests.unit.checkpoint.helpers import FIXTURE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -119,11 +119,28 @@ def test_refusals_name_the_option(tmp_path, capsys, extra, message):
     assert rc == 2 and message in err and err.count("\n") == 1
 
 
-def test_torch_dist_refuses_the_optimizer_by_name(tmp_path, capsys):
-    root = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_dist")
+def test_torch_dist_optimizer_state_converts_by_name_and_its_absence_is_named(tmp_path, capsys):
+    """Megatron-LM's torch_dist run with the distributed optimizer (fixtures/make_megatron_torch_dist_optim_fixture.py)
+    converts with its optimizer to ours at TP=2 and back to one rank, every main copy and moment unchanged; a
+    torch_dist folder written without an optimizer says so."""
+    root = os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_torch_dist")
+    ours = str(tmp_path / "ours")
     rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir", root,
-                      "--save-dir", str(tmp_path / "o"), "--reshard-optimizer")
-    assert rc == 2 and "torch_dist" in err and "--reshard-optimizer" in err
+                      "--save-dir", ours, "--target-tensor-parallel-size", "2", "--reshard-optimizer")
+    assert rc == 0, err
+    want, _ = read_megatron_checkpoint(root).extra["optimizer_by_name"][(0, 0)]
+    back = str(tmp_path / "back")
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "ours", "--saver", "ours", "--load-dir", ours,
+                      "--save-dir", back, "--target-tensor-parallel-size", "1", "--reshard-optimizer")
+    assert rc == 0, err
+    got = read_our_checkpoint(back).extra["optimizer_by_name"][(0, 0)][0]
+    for name, entry in want[0].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(got[0][name][key], value, atol=0, rtol=0, msg=f"{name} {key}")
+    rc, _, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "ours", "--load-dir",
+                      os.path.join(os.path.dirname(FIXTURE), "megatron_gpt_dist"), "--save-dir",
+                      str(tmp_path / "o"), "--reshard-optimizer")
+    assert rc == 2 and "--reshard-optimizer" in err and "holds no optimizer state" in err
 
 
 def test_refuses_unknown_model_type_and_flags(tmp_path, capsys):

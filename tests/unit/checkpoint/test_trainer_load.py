@@ -289,3 +289,27 @@ def test_megatron_lm_checkpoint_resumes_at_tp2_resharded_at_load(tmp_path, capfd
     assert tuple(got["result"]) == (3, 6)
     want = torch.tensor(json.load(open(os.path.join(FIXTURE, "megatron_core_resume.json")))["losses"])
     assert (got["losses"] - want).abs().max().item() < 1e-3, (got["losses"], want)
+
+
+def test_ckpt_format_torch_dist_saves_what_the_trainer_resumes_exactly(tmp_path):
+    """``--ckpt-format torch_dist``: the Megatron-LM fixture's run resumed here, trained one iteration and saved as
+    torch_dist (the writer Megatron-Core 0.16.1 loads, fixtures/check_our_torch_dist_in_megatron_core.py); a fresh
+    model, optimizer and scheduler loaded from it continue with the same losses as the run that saved it."""
+    from megatron.core.tensor_parallel import get_all_rng_states
+
+    model, opt, sched = _run_state()
+    checkpointing.load_checkpoint([model], opt, sched, _cfg(FIXTURE, no_load_rng=True), ParallelState.single())
+    _train(model, opt, sched, 3, 1)
+    save = str(tmp_path / "td")
+    args = dict(read_megatron_checkpoint(FIXTURE, load_optim=False, load_rng=False).args_dict,
+                train_iters=10, lr_warmup_iters=2)
+    checkpointing.save_checkpoint(4, [model], opt, sched, _cfg(None, save=save, ckpt_format="torch_dist"),
+                                  ParallelState.single(), 8, args)
+    assert sorted(os.listdir(os.path.join(save, "iter_0000004")))[:2] == [".metadata", "__0_0.distcp"]
+    rng = get_all_rng_states()
+    want = _train(model, opt, sched, 4, 3)
+    model2, opt2, sched2 = _run_state(seed=11)
+    assert checkpointing.load_checkpoint([model2], opt2, sched2, _cfg(save), ParallelState.single()) == (4, 8)
+    assert torch.equal(get_all_rng_states()["torch_cpu"], rng["torch_cpu"]) and sched2.num_steps == 4
+    got = _train(model2, opt2, sched2, 4, 3)
+    assert torch.equal(got, want), (got, want)

@@ -1,5 +1,6 @@
-"""The planner's activation bytes per layer equal what autograd really keeps, and its in-flight microbatch
-counts follow the 1F1B / interleaved schedules."""
+"""The planner's activation bytes per layer equal what autograd really keeps, they equal Korthikanti et al.
+2022's Eq. 1-6 up to differences named with their size, and the planner's in-flight microbatch counts follow the
+1F1B / interleaved schedules."""
 
 import pytest
 import torch
@@ -15,13 +16,16 @@ from tests.dist_utils import run_distributed
 S, B = 64, 2
 
 
-def saved_bytes_per_layer(pstate, h, a, ffn, layout: Layout, dropout: float, layers: int = 2) -> float:
-    """Bytes of the distinct storages autograd saves in one forward pass of a block, parameters excluded."""
+def saved_bytes_per_layer(pstate, h, a, ffn, layout: Layout, dropout: float, layers: int = 2,
+                          attention_dropout: float = 0.0, s: int = S) -> float:
+    """Bytes of the distinct storages autograd saves in one forward pass of a block, parameters excluded (a
+    storage shared by several saved tensors, e.g. q, k and v as views of one QKV output, counts once)."""
     tensor_parallel.model_parallel_seed(1234, pstate)
     mode = layout.recompute_granularity
     cfg = TransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, ffn_hidden_size=ffn,
-                            seq_length=S, attention_dropout=0.0, hidden_dropout=dropout,
+                            seq_length=s, attention_dropout=attention_dropout, hidden_dropout=dropout,
                             params_dtype=torch.bfloat16, sequence_parallel=layout.sp,
+                            attention_backend=layout.attention_backend,
                             recompute_granularity=mode, recompute_method="uniform" if mode == "full" else None,
                             recompute_num_layers=1 if mode == "full" else None,
                             recompute_modules=layout.recompute_modules,
@@ -40,18 +44,18 @@ def saved_bytes_per_layer(pstate, h, a, ffn, layout: Layout, dropout: float, lay
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    x = torch.randn(S // pstate.tp_size if layout.sp else S, B, h, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(s // pstate.tp_size if layout.sp else s, B, h, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block(x)
     out.float().sum().backward()
     return sum(seen.values()) / layers
 
 
-def _predicted(h, a, ffn, layout, dropout):
-    shape = ModelShape(num_layers=2, hidden_size=h, num_attention_heads=a, ffn_hidden_size=ffn, seq_length=S,
-                       attention_dropout=0.0, hidden_dropout=dropout)
+def _predicted(h, a, ffn, layout, dropout, attention_dropout=0.0, s=S, device="cpu"):
+    shape = ModelShape(num_layers=2, hidden_size=h, num_attention_heads=a, ffn_hidden_size=ffn, seq_length=s,
+                       attention_dropout=attention_dropout, hidden_dropout=dropout)
     mode = {None: "none"}.get(layout.recompute_granularity, layout.recompute_granularity)
-    return layer_activation_bytes(shape, layout, mode)
+    return layer_activation_bytes(shape, layout, mode, device)
 
 
 CASES = [  # (h, a, ffn, recompute, modules, precision, dropout)
@@ -75,18 +79,107 @@ def test_layer_activation_bytes_match_autograd(h, a, ffn, rc, modules, prec, dro
     assert _predicted(h, a, ffn, layout, dropout) == measured
 
 
+# ---- Korthikanti et al. 2022 ---------------------------------------------------------------------------------
+PS, PH, PA, P_DROP = 32, 64, 4, 0.1  # reduced s, h, a for the paper comparison (b = B); 5as/h = 10
+PAPER_CASES = {  # name: (sp, recompute, recompute_modules); TP size from the process group
+    "none": (False, None, ()),
+    "selective": (False, "selective", ("core_attn",)),
+    "selective_with_mlp_act": (False, "selective", ("core_attn", "mlp_act")),
+    "full": (False, "full", ()),
+    "tp": (False, None, ()),
+    "tp_selective": (False, "selective", ("core_attn",)),
+    "tp_sp": (True, None, ()),
+    "tp_sp_selective": (True, "selective", ("core_attn",)),
+    "tp_sp_selective_with_mlp_act": (True, "selective", ("core_attn", "mlp_act")),
+    "tp_sp_full": (True, "full", ()),
+}
+
+
+def paper_bytes(recompute, s, b, h, a, t, sp) -> float:
+    """Activation bytes per layer of Korthikanti et al. 2022 (Eq. 1-6; 16-bit activations, 1-byte dropout masks)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh  # only the layer input
+    attn = 0 if recompute == "selective" else 5 * a * s / h
+    if t == 1:
+        return sbh * (34 + attn)  # Eq. 1; Eq. 6 (34 sbh) with selective recomputation
+    if sp:
+        return sbh / t * (34 + attn)  # Eq. 5; Eq. 6 with selective recomputation
+    return sbh * (10 + 24 / t + attn / t)  # Eq. 2 (tensor parallelism only)
+
+
+def named_differences(recompute, modules, s, b, h, a, t, sp, device) -> dict:
+    """Every deliberate difference between what this framework keeps (on ``device``, unfused attention and
+    bias-dropout-add, dropout on) and the paper, in bytes per layer."""
+    sbh, div = s * b * h, (t if sp else 1)
+    if recompute == "full":
+        return {"full recomputation under SP keeps the layer input's sequence shard, 2sbh/t": -2 * sbh * (1 - 1 / t)
+                } if sp else {}
+    stat, mask = (2, 2) if device == "cpu" else (4, 1)
+    out = {f"LayerNorm mean and rstd, {stat} bytes each (not counted by the paper)": 2 * 2 * stat * s * b / div}
+    if mask != 1:
+        out[f"hidden-dropout masks of {mask} bytes (PyTorch on the CPU keeps the scaled noise) instead of 1"] = \
+            2 * (mask - 1) * sbh / div
+        if recompute != "selective":
+            out[f"attention-dropout mask of {mask} bytes instead of 1"] = (mask - 1) * a * s * s * b / t
+    if recompute == "selective" and "mlp_act" in modules:
+        out["GeLU output recomputed (mlp_act), 8sbh/t"] = -8 * sbh / t
+    return out
+
+
+def _paper_layout(name, t):
+    sp, rc, modules = PAPER_CASES[name]
+    return Layout(tp=t, sp=sp, micro_batch_size=B, attention_backend="unfused", recompute_granularity=rc,
+                  recompute_method="uniform" if rc == "full" else None,
+                  recompute_modules=modules or ("core_attn", "mlp_act"))
+
+
+def check_against_paper(pstate, names) -> dict:
+    """Measure each case; assert measured == planner (CPU) and measured - named differences == paper within 2%,
+    and the planner's CUDA prediction (unfused bias-dropout-add) == paper + its named differences. Returns
+    {name: (measured, paper, differences)}."""
+    t = pstate.tp_size
+    out = {}
+    for name in names:
+        layout = _paper_layout(name, t)
+        rc, modules = layout.recompute_granularity, layout.recompute_modules
+        measured = saved_bytes_per_layer(pstate, PH, PA, None, layout, P_DROP, attention_dropout=P_DROP, s=PS)
+        assert measured == _predicted(PH, PA, None, layout, P_DROP, P_DROP, PS, "cpu"), (name, t)
+        paper = paper_bytes(rc, PS, B, PH, PA, t, layout.sp)
+        diffs = named_differences(rc, modules, PS, B, PH, PA, t, layout.sp, "cpu")
+        assert abs(measured - sum(diffs.values()) - paper) <= 0.02 * paper, (name, t, measured, paper, diffs)
+        unfused_bda = Layout(**{**layout.__dict__, "bias_dropout_fusion": False})
+        cuda = _predicted(PH, PA, None, unfused_bda, P_DROP, P_DROP, PS, "cuda")
+        cuda_diffs = named_differences(rc, modules, PS, B, PH, PA, t, layout.sp, "cuda")
+        assert abs(cuda - sum(cuda_diffs.values()) - paper) <= 0.02 * paper, (name, t, cuda, paper)
+        # the fused bias-dropout-add (the CUDA default) keeps no hidden-dropout mask: the paper's 2sbh/t* less
+        fused = _predicted(PH, PA, None, layout, P_DROP, P_DROP, PS, "cuda")
+        if rc != "full":
+            assert cuda - fused == 2 * PS * B * PH / (t if layout.sp else 1), name
+        out[name] = (measured, paper, diffs)
+    return out
+
+
+def test_layer_bytes_match_the_paper_without_parallelism():
+    check_against_paper(ParallelState.single(), ["none", "selective", "selective_with_mlp_act", "full"])
+
+
 def _tp_body(rank, world_size):
-    pstate = ParallelState.build(tensor_model_parallel_size=world_size)
-    for sp in (False, True):
-        for rc in (None, "selective", "full"):
-            layout = Layout(tp=world_size, sp=sp, micro_batch_size=B, recompute_granularity=rc,
-                            recompute_method="uniform" if rc == "full" else None)
-            measured = saved_bytes_per_layer(pstate, 64, 4, None, layout, 0.1)
-            assert _predicted(64, 4, None, layout, 0.1) == measured, (sp, rc, measured)
+    for tp in (4, 2):  # TP 4, then TP 2 (x DP 2) in the same 4 processes
+        pstate = ParallelState.build(tensor_model_parallel_size=tp)
+        check_against_paper(pstate, [n for n in PAPER_CASES if n.startswith("tp")])
+        # the SDPA (flash) path with hidden dropout, with and without SP: planner == autograd
+        for sp in (False, True):
+            for rc in (None, "selective", "full"):
+                layout = Layout(tp=tp, sp=sp, micro_batch_size=B, recompute_granularity=rc,
+                                recompute_method="uniform" if rc == "full" else None)
+                measured = saved_bytes_per_layer(pstate, 64, 4, None, layout, 0.1)
+                assert _predicted(64, 4, None, layout, 0.1) == measured, (tp, sp, rc, measured)
 
 
-def test_layer_activation_bytes_under_tensor_and_sequence_parallelism():
-    run_distributed(_tp_body, world_size=2)
+def test_layer_bytes_match_the_paper_under_tensor_and_sequence_parallelism():
+    """TP 2 and 4 on gloo, unfused attention, dropout on: no SP, SP, SP with selective and full recomputation."""
+    run_distributed(_tp_body, world_size=4)
 
 
 def test_in_flight_microbatches_follow_the_schedule():
@@ -147,10 +240,11 @@ def _bert_head_saved_and_predicted(pstate, sp: bool):
         binary = model.binary_head(model.pooler(hidden))
     (loss.sum() + binary.float().sum()).backward()
     layout = Layout(tp=t, sp=sp, micro_batch_size=B, cross_entropy_fusion=True)  # BERT: the eager loss regardless
-    acts = chunk_activations(shape, layout, Chunk(0, pre=False, post=True))
+    acts = chunk_activations(shape, layout, Chunk(0, pre=False, post=True), device="cpu")
     fp32_logits = 4 * k * B * v // t
     # the selected rows' logits and their fp32 copy, or half a layer's activations (its gradients) if larger
-    assert acts.transient == max(2 * k * B * v // t + fp32_logits, 0.5 * layer_activation_bytes(shape, layout, "none"))
+    half_layer = 0.5 * layer_activation_bytes(shape, layout, "none", "cpu")
+    assert acts.transient == max(2 * k * B * v // t + fp32_logits, half_layer)
     return sum(seen.values()), acts.kept + fp32_logits
 
 

@@ -1,6 +1,5 @@
 """tools/plan.py: the ranked table, JSON output, errors that name the flag, --help and --calibrate (CPU)."""
 
-import argparse
 import json
 import os
 import sys
@@ -8,7 +7,8 @@ import sys
 import pytest
 
 from megatron.core.planner import Cluster, Layout, ModelShape, load_calibration, predict
-from megatron.training.logging import num_floating_point_operations
+from megatron.core.model_counts import num_floating_point_operations
+from megatron.core.model_spec import ModelSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -53,8 +53,9 @@ def test_json_predictions_are_consistent(capsys):
         assert lay["tp"] * lay["pp"] * lay["dp"] == 8
         assert p["tokens_per_s"] == pytest.approx(512 * 2048 / (p["ms_per_iter"] / 1e3))
         # MFU: the trainer's own model-FLOP count per iteration / time / GPUs / the stated peak
-        model = argparse.Namespace(hidden_size=2048, num_layers=24, seq_length=2048, ffn_hidden_size=8192)
-        flops = num_floating_point_operations(model, 50304, 512)
+        model = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
+                          padded_vocab_size=50304)
+        flops = num_floating_point_operations(model, 512)
         assert p["mfu"] == pytest.approx(flops / (p["ms_per_iter"] / 1e3) / 8 / (p["mfu_peak_tflops"] * 1e12))
 
 
@@ -119,7 +120,7 @@ def test_calibrate_on_cpu_writes_a_usable_file(tmp_path, capsys, monkeypatch):
 
 
 def test_dry_run_reads_a_trainer_command_line():
-    from megatron.core.planner import dry_run
+    from megatron.training.dry_run import dry_run
 
     argv = ("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings "
             "1024 --micro-batch-size 4 --global-batch-size 32 --bf16 --data-path /nonexistent/prefix --lr 1e-4 "

@@ -57,11 +57,9 @@ def _measure(model, optimizer):
 
 def _build(pstate, layout, untied):
     dtype = torch.float32 if layout.precision == "fp32" else torch.bfloat16
-    shape = ModelShape(untie_embeddings_and_output_weights=untied, **SHAPE)
-    cfg = TransformerConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-                            num_attention_heads=shape.num_attention_heads, seq_length=shape.seq_length,
-                            padded_vocab_size=shape.padded_vocab(pstate.tp_size), params_dtype=dtype,
-                            share_embeddings_and_output_weights=not untied, attention_dropout=0.0, hidden_dropout=0.0)
+    shape = ModelShape(share_embeddings_and_output_weights=not untied, **SHAPE)
+    cfg = TransformerConfig.from_spec(shape.spec_at(pstate.tp_size), params_dtype=dtype, attention_dropout=0.0,
+                                      hidden_dropout=0.0)
     chunks = []
     for v in range(layout.chunks):
         _, count = layers_for_stage(shape.num_layers, pstate.pp_size, pstate.pp_rank, vpp_size=layout.vpp, vpp_rank=v,

@@ -1,4 +1,4 @@
-"""bench/plan_validation.py and megatron/core/planner/validation.py: measurement records, their comparison with
+"""bench/plan_validation.py and megatron/training/plan_validation.py: measurement records, their comparison with
 the predictions of several calibrations, and the whole --run path at tiny shapes on the CPU."""
 
 import importlib.util
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from megatron.core.planner import load_calibration, predict
-from megatron.core.planner.flags import inputs_from_argv
-from megatron.core.planner.validation import compare, load_measurements, markdown, summary
+from megatron.training.plan_inputs import inputs_from_argv
+from megatron.training.plan_validation import compare, load_measurements, markdown, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -41,8 +41,9 @@ def test_every_configuration_is_predicted_and_covers_the_required_kinds():
     cal = load_calibration("h200")
     for name, entry, gpus, f in bench.CONFIGS + bench.TINY:  # every flag set parses and fits one H200
         extra = " --model bert --vocab-size 30522" if entry == "pretrain_bert.py" else ""
-        shape, layout, cluster, gbs = inputs_from_argv((f + " " + bench.COMMON + extra).split(), num_gpus=gpus)
+        shape, layout, cluster, gbs = inputs_from_argv((bench.full_flags(f) + extra).split(), num_gpus=gpus)
         assert predict(shape, layout, cluster, cal, gbs).fits, name
+        assert (shape.hidden_dropout > 0) == ("dropout" in name), name  # a config's own dropout is kept
 
 
 def test_compare_predicts_each_record_with_every_calibration(tmp_path):

@@ -49,11 +49,8 @@ def _check_column(ps, sp, tp):
     y_ref = ref(x_full)
     y_ref.backward(up)
 
-    # (gather_output, save_gathered_input): the second only matters under SP
-    variants = [(False, True), (False, False)] if sp else [(False, True), (True, True)]
-    for gather_output, save_gathered in variants:
-        col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, gather_output=gather_output,
-                                   save_gathered_input=save_gathered)
+    for gather_output in ([False] if sp else [False, True]):
+        col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, gather_output=gather_output)
         assert col.weight.shape == (FFN // tp, H) and col.weight.partition_dim == 0
         assert col.weight.tensor_model_parallel and col.bias.tensor_model_parallel and col.bias.partition_dim == 0
         with torch.no_grad():
@@ -71,8 +68,8 @@ def _check_column(ps, sp, tp):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y, bias = col(x)
         assert bias is None
-        # the activation kept for backward: the full [s, b, in], or only the local shard
-        kept = S * B * H if (not sp or save_gathered) else S // tp * B * H
+        # the activation kept for backward: the full [s, b, in], or under SP only the local shard
+        kept = S // tp * B * H if sp else S * B * H
         assert saved == [kept], saved
         if gather_output:
             torch.testing.assert_close(y, y_ref, **TOL)
@@ -134,7 +131,7 @@ def _check_row(ps, sp, tp):
     assert bias is row.bias
 
 
-def _check_mlp_pair(ps, sp, tp, save_gathered=True):
+def _check_mlp_pair(ps, sp, tp):
     """Column -> GeLU -> Row equals the unsharded MLP, with Megatron's collective count."""
     r = ps.tp_rank
     fc1, fc2 = _ref_linear(7, H, FFN), _ref_linear(8, FFN, H)
@@ -143,8 +140,7 @@ def _check_mlp_pair(ps, sp, tp, save_gathered=True):
     y_ref = fc2(F.gelu(fc1(x_full)))
     y_ref.backward(up)
 
-    col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, skip_bias_add=True,
-                               save_gathered_input=save_gathered)
+    col = ColumnParallelLinear(H, FFN, config=_cfg(sp), pstate=ps, skip_bias_add=True)
     row = RowParallelLinear(FFN, H, config=_cfg(sp), pstate=ps)
     with torch.no_grad():
         col.weight.copy_(fc1.weight.chunk(tp, 0)[r]); col.bias.copy_(fc1.bias.chunk(tp, 0)[r])
@@ -157,8 +153,8 @@ def _check_mlp_pair(ps, sp, tp, save_gathered=True):
         y.backward(up.chunk(tp, 0)[r] if sp else up)
     if sp:  # each all-reduce becomes reduce-scatter + all-gather
         assert fwd == Counter(all_gather=1, reduce_scatter=1), fwd
-        # without the saved gathered input the backward gathers it once more (Megatron-LM's memory saving)
-        assert bwd == Counter(all_gather=1 if save_gathered else 2, reduce_scatter=1), bwd
+        # the column layer keeps only its input shard and gathers it once more in the backward
+        assert bwd == Counter(all_gather=2, reduce_scatter=1), bwd
         torch.testing.assert_close(y, y_ref.detach().chunk(tp, 0)[r], **TOL)
         torch.testing.assert_close(x.grad, x_full.grad.chunk(tp, 0)[r], **TOL)
     else:  # g in the forward, f in the backward
@@ -200,7 +196,6 @@ def _check_all(ps):
         _check_column(ps, sp, tp)
         _check_row(ps, sp, tp)
         _check_mlp_pair(ps, sp, tp)
-    _check_mlp_pair(ps, True, tp, save_gathered=False)
     _check_embedding(ps, tp)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
         ColumnParallelLinear(H, tp + 1, config=_cfg(False), pstate=ps)

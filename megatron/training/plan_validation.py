@@ -6,7 +6,8 @@ changed memory or time model is checked against the same measurements without a 
 (``bench/plan_validation.py --from-measurements FILE``).
 
 A measurement record: ``config`` (a name), ``command`` (the trainer command line, for the reader), ``planner_flags``
-(the flags the planner reads, trainer spelling, ``--model bert`` and ``--vocab-size`` included), ``gpus``,
+(the trainer's flags the planner reads, ``--model bert`` and ``--vocab-size`` included; read with the
+trainer's parser, ``megatron/training/plan_inputs.py``), ``gpus``,
 ``measured_ms_per_iter``, ``measured_peak_mem_gib`` (``torch.cuda.max_memory_allocated``; null on a CPU) and
 optionally ``measured_reserved_gib``, ``outside_allocator_gib``, ``wall_s``, ``source``.
 """
@@ -17,8 +18,8 @@ import json
 import shlex
 from typing import Dict, List, Optional
 
-from megatron.core.planner.flags import inputs_from_argv
 from megatron.core.planner.predict import predict
+from megatron.training.plan_inputs import inputs_from_argv
 
 MEM_TOL, TIME_TOL = 0.10, 0.15
 REQUIRED = ("config", "command", "planner_flags", "gpus", "measured_ms_per_iter", "measured_peak_mem_gib")
