@@ -10,7 +10,10 @@ so drifting clocks or temperature hit every side alike. All runs read one datase
         --case "124m:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" \\
         --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" --tag latest
 
-A case is ``SHAPE:TRAINER:FLAGS`` (TRAINER ``ours`` or ``ours-fp8``; FLAGS go to pretrain_gpt.py at that shape).
+A case is ``SHAPE:TRAINER:FLAGS``: TRAINER ``ours`` or ``ours-fp8`` at a shape of ``gpu_throughput.py`` (FLAGS go
+to pretrain_gpt.py at that shape), or ``ours-bert`` at a shape of ``bert_throughput.py`` (``large``; FLAGS go to
+pretrain_bert.py through its ``--ours-args``; the BERT corpus is tokenised once with ``--bert-vocab-file``), e.g.
+``--case "large:ours-bert:" --case "large:ours-bert:--enable-cuda-graph"``.
 Writes ``bench/results/ab_TAG.{json,md}``: every run's ms/iteration and MFU (against the dense bf16 peak, as in
 gpu_throughput.py), the median per tree and case, and each tree's tokens/s relative to the first tree's (medians).
 """
@@ -28,6 +31,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bert_throughput import DEFAULT_VOCAB, SHAPES as BERT_SHAPES  # noqa: E402
+from corpus import prepare_bert_dataset  # noqa: E402
 from gpu_throughput import SHAPES, prepare_dataset  # noqa: E402
 from results_io import run_meta, write_results  # noqa: E402
 
@@ -45,26 +50,37 @@ def parse_tree(spec: str):
 def parse_case(spec: str):
     shape, _, rest = spec.partition(":")
     trainer, _, flags = rest.partition(":")
-    if shape not in SHAPES or trainer not in TRAINER_SHAPE_FLAG:
-        raise ValueError(f"--case {spec!r}: expected SHAPE:TRAINER:FLAGS with SHAPE one of {', '.join(SHAPES)} "
-                         f"and TRAINER one of {', '.join(TRAINER_SHAPE_FLAG)}")
+    bert = trainer == "ours-bert"
+    if (shape not in (BERT_SHAPES if bert else SHAPES)) or not (bert or trainer in TRAINER_SHAPE_FLAG):
+        raise ValueError(f"--case {spec!r}: expected SHAPE:TRAINER:FLAGS with TRAINER one of "
+                         f"{', '.join(TRAINER_SHAPE_FLAG)} at SHAPE one of {', '.join(SHAPES)}, or TRAINER "
+                         f"ours-bert at SHAPE one of {', '.join(BERT_SHAPES)}")
     return shape, trainer, flags.strip()
 
 
 def run_one(tree: str, shape: str, trainer: str, flags: str, iters: int, warmup: int, data_prefix: str,
             workdir: str) -> dict:
+    """One case in one tree; ``data_prefix`` is (GPT prefix, BERT prefix, its vocab.txt)."""
     out = tempfile.mkdtemp(dir=workdir)
-    cmd = [sys.executable, os.path.join(tree, "bench", "gpu_throughput.py"), "--trainers", trainer, "--shapes",
-           shape, "--iters", str(iters), "--warmup", str(warmup), "--data-prefix", data_prefix, "--tag", "ab",
-           "--results-dir", out, "--log-dir", out, f"{TRAINER_SHAPE_FLAG[trainer]}={shape}:{flags}"]
+    if trainer == "ours-bert":
+        cmd = [sys.executable, os.path.join(tree, "bench", "bert_throughput.py"), "--trainers", trainer,
+               "--shapes", shape, "--iters", str(iters), "--warmup", str(warmup), "--data-prefix", data_prefix[1],
+               "--vocab-file", data_prefix[2], "--results-dir", out, f"--ours-args={flags}"]
+        written = os.path.join(out, "gpu_throughput.json")
+    else:
+        cmd = [sys.executable, os.path.join(tree, "bench", "gpu_throughput.py"), "--trainers", trainer, "--shapes",
+               shape, "--iters", str(iters), "--warmup", str(warmup), "--data-prefix", data_prefix[0], "--tag",
+               "ab", "--results-dir", out, "--log-dir", out, f"{TRAINER_SHAPE_FLAG[trainer]}={shape}:{flags}"]
+        written = os.path.join(out, "gpu_throughput_ab.json")
     proc = subprocess.run(cmd, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        with open(os.path.join(out, "gpu_throughput_ab.json")) as f:
+        with open(written) as f:
             result = json.load(f)
     except FileNotFoundError:
         result = {"rows": [], "extras": {"errors": {"run": proc.stdout[-2000:]}}}
     if not result["rows"]:
-        return {"error": json.dumps(result["extras"].get("errors", {}))[-2000:]}
+        errors = result["extras"].get("bert", result["extras"]).get("errors", {})
+        return {"error": (json.dumps(errors) if errors else proc.stdout)[-2000:]}
     row = result["rows"][0]
     return {"ms_per_iter": row["ms_per_iter"], "tokens_per_s": row["tokens_per_s"], "mfu": row["mfu"],
             "peak_mem_gib": row["peak_mem_gib"], "command": " ".join(shlex.quote(c) for c in cmd)}
@@ -79,6 +95,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tag", default="latest")
+    ap.add_argument("--bert-vocab-file", default=DEFAULT_VOCAB, help="WordPiece vocab.txt of the ours-bert cases")
     ap.add_argument("--results-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     trees = [parse_tree(t) for t in a.tree]
@@ -87,7 +104,11 @@ def main() -> None:
         raise ValueError("--tree: give at least two trees with distinct names")
     meta = run_meta("ab_trees.py")
     workdir = tempfile.mkdtemp(prefix="ab_trees_")
-    data_prefix = prepare_dataset(workdir)
+    bert = any(trainer == "ours-bert" for _, trainer, _ in cases)
+    if bert and not os.path.isfile(a.bert_vocab_file):
+        raise SystemExit(f"--bert-vocab-file {a.bert_vocab_file}: no such file (the ours-bert cases need it)")
+    data_prefix = (prepare_dataset(workdir), prepare_bert_dataset(workdir, a.bert_vocab_file) if bert else None,
+                   a.bert_vocab_file)
     runs = []
     for shape, trainer, flags in cases:
         for r in range(a.rounds):

@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from corpus import NUM_WORKERS, SEED, SPLIT, bert_batches, prepare_bert_dataset  # noqa: E402
 from gpu_throughput import (BF16_PEAK_TFLOPS, FP8_PEAK_TFLOPS, _glue_values, comma_choices,  # noqa: E402
-                            environment, parse_ours_log, write_results)
+                            environment, merge_rows, parse_ours_log)
 from megatron.core.model_counts import flops_per_token as spec_flops_per_token  # noqa: E402
 from megatron.core.model_spec import ModelSpec  # noqa: E402
 from megatron.core.models.bert_loss import max_masked_positions  # noqa: E402
@@ -218,22 +218,6 @@ def make_row(trainer: str, shape: dict, res: dict, command: str, vocab: int, pea
             "command": command}
 
 
-def merge_rows(path_json: str, meta: dict, rows: list, extras: dict) -> None:
-    """Put ``rows`` into the results file (replacing rows of the same trainer and shape, keeping the rest)."""
-    old = {}
-    if os.path.exists(path_json):
-        with open(path_json) as f:
-            old = json.load(f)
-    keys = {(r["trainer"], r["num_layers"], r["hidden_size"]) for r in rows}
-    kept = [r for r in old.get("rows", []) if (r["trainer"], r["num_layers"], r["hidden_size"]) not in keys]
-    merged_extras = old.get("extras", {})
-    merged_extras["bert"] = extras
-    merged_meta = {**meta, **{k: v for k, v in old.items() if k not in ("rows", "extras")}} if old else meta
-    merged_meta["bert_command"] = meta["command"]
-    merged_meta["bert_date"] = meta["date"]
-    write_results(path_json, merged_meta, kept + rows, merged_extras)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description="BERT throughput/MFU: ours against HF BertForPreTraining, same tokens.")
     ap.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma list of {', '.join(TRAINERS)}")
@@ -302,7 +286,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{key}: {row['ms_per_iter']:.1f} ms/iter, {row['tokens_per_s']:,.0f} tok/s, "
                       f"MFU {100 * row['mfu']:.1f}% of the bf16 peak, peak {row['peak_mem_gib']} GiB", flush=True)
-            merge_rows(out_json, meta, rows, extras)  # after every trainer: a later failure keeps these rows
+            merge_rows(out_json, meta, rows, extras, "bert")  # after every trainer: a later failure keeps these rows
         peer = [r for r in rows if r["trainer"] == "hf-bert" and r["num_layers"] == shape["num_layers"]]
         for r in rows:
             if peer and r["trainer"].startswith("ours-bert") and r["num_layers"] == shape["num_layers"]:

@@ -17,12 +17,31 @@
 #                                                   ours (bf16, CUDA graph) at 124M; bench/results/ab_TAG: ~5 min
 #   bash bench/gpu_session.sh sweep [RESULTS_DIR]   the LayerNorm, FP8-cast and column-sum launch sweeps; each
 #                                                   prints its best configuration (the library is not edited)
+#   bash bench/gpu_session.sh llama-1b [RESULTS_DIR]   the Llama table (bench/llama_throughput.py) at the 1B
+#                                                   shape: ours bf16 and FP8, torchtitan (and its float8),
+#                                                   Megatron-Core, HF compiled; the peers' Pythons from PEERS: ~6 min
+#   bash bench/gpu_session.sh llama-3b [RESULTS_DIR]   the same at the 3B shape: ~8 min
+#   bash bench/gpu_session.sh ab-table BASE [TAG]   the throughput table's GPT cases (124M and 1.3B, bf16 and FP8,
+#                                                   with the table's flags) in this tree against BASE, interleaved,
+#                                                   two rounds; bench/results/ab_TAG: ~8 min
+#   bash bench/gpu_session.sh ab-bert BASE [TAG]    the same for BERT-large eager and with --enable-cuda-graph;
+#                                                   bench/results/ab_TAG_bert: ~5 min
+#   bash bench/gpu_session.sh memory [RESULTS_DIR]  activation memory with dropout 0.1 against the planner at TP 1:
+#                                                   the planner's dropout-0.1 configurations and their dropout-0
+#                                                   twins (RESULTS_DIR/plan_dropout/), then bench/memory.py on the
+#                                                   GPU with dropout 0.1 (memory_gpu, per layer): ~5 min
+#   bash bench/gpu_session.sh sp [RESULTS_DIR]      needs 2 GPUs: the time of the sequence-parallel backward
+#                                                   all-gather on NCCL (sp_backward_gather_cuda): ~2 min
+#   bash bench/gpu_session.sh host [RESULTS_DIR]    eager host time per layer on the GPU (host_overhead_cuda): ~3 min
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
+# PEERS (llama-*): space-separated TRAINER[,TRAINER]=PYTHON for bench/llama_throughput.py --python, e.g.
+#   PEERS="megatron-core,torchtitan,torchtitan-fp8=scratch/peers/bin/python" (bench/README.md: the wheels to carry)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?tests, table, recompute, check, multi, ab or sweep}
+what=${1:?tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b, memory,
+  sp or host}
 R=${2:-bench/results}
-[ "$what" = ab ] || mkdir -p "$R/logs"  # ab's second argument is the baseline checkout, not a results folder
+case "$what" in ab*) ;; *) mkdir -p "$R/logs" ;; esac  # ab's second argument is the baseline checkout
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 case "$what" in
   tests)
@@ -59,9 +78,38 @@ case "$what" in
         --case "124m:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" \
         --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" --case "124m:ours:--enable-cuda-graph" \
         | grep -E "^\|" ;;
+  ab-table)
+    base=${2:?ab-table needs the baseline checkout BASE}
+    python bench/ab_trees.py --tree "base=$base" --tree new=. --rounds 2 --iters 10 --warmup 5 --tag "${3:-table}" \
+        --case "124m:ours:--enable-cuda-graph" --case "124m:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" \
+        --case "1.3b:ours:--recompute-granularity selective --recompute-modules mlp_act --recompute-num-layers 12" \
+        --case "1.3b:ours-fp8:--enable-cuda-graph --fp8-recipe delayed" | grep -E "^\|" ;;
+  ab-bert)
+    base=${2:?ab-bert needs the baseline checkout BASE}
+    python bench/ab_trees.py --tree "base=$base" --tree new=. --rounds 2 --iters 10 --warmup 5 \
+        --tag "${3:-table}_bert" --case "large:ours-bert:" --case "large:ours-bert:--enable-cuda-graph" | grep -E "^\|" ;;
+  llama-1b|llama-3b)
+    peers=()
+    for p in ${PEERS:-}; do peers+=(--python "$p"); done
+    python bench/llama_throughput.py --shapes "$what" --iters 10 --warmup 5 --results-dir "$R" --log-dir "$R/logs" \
+        "${peers[@]}" \
+        --ours-fp8-args "--fp8-recipe delayed" | tail -20
+    grep -E "^\| (ours-llama|torchtitan|megatron-core|hf-llama)" "$R/gpu_throughput.md" ;;
+  memory)
+    python bench/plan_validation.py --run --calibrate-first --results-dir "$R/plan_dropout" --only \
+        gpt124m_mb8_none_dropout,gpt124m_mb4_none_dropout_unfused,gpt1.3b_mb8_selective_dropout,bert_large_mb8_none_dropout,gpt124m_mb4_none,gpt1.3b_mb8_selective,bert_large_mb8_none \
+        | grep -E "^\|"
+    python bench/memory.py --device cuda --tp 0 --dropout 0.1 --out "$R/memory_gpu" | tail -15 ;;
+  sp)
+    export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    python bench/sp_backward_gather.py --cuda --tp 2 --seq 8192 --hidden 8192 --out-features 32768 \
+        --results-dir "$R" | tail -8 ;;
+  host)
+    python bench/host_overhead.py --device cuda --results-dir "$R" | tail -12 ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --out "$R/kernel_sweep_ln.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only fp8 --out "$R/kernel_sweep_fp8.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only colsum --out "$R/kernel_sweep_colsum.json" | grep -A9 "^Best" ;;
-  *) echo "unknown step $what (tests, table, recompute, check, multi, ab or sweep)" >&2; exit 2 ;;
+  *) echo "unknown step $what (tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b," \
+        "memory, sp or host)" >&2; exit 2 ;;
 esac

@@ -312,8 +312,10 @@ def run_ours_wrapper(argv: list) -> None:
 
 
 def run_ours(shape_name: str, iters: int, warmup: int, data_prefix: str, extra: str, log_dir: str,
-             trainer: str = "ours") -> dict:
-    cmd = ours_command(SHAPES[shape_name], iters, warmup, data_prefix, extra)
+             trainer: str = "ours", shape: dict = None) -> dict:
+    """pretrain_gpt.py at ``SHAPES[shape_name]`` (or the dict ``shape`` of another script, logged under
+    ``shape_name``) as a subprocess; its log parsed (``parse_ours_log``)."""
+    cmd = ours_command(shape or SHAPES[shape_name], iters, warmup, data_prefix, extra)
     print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -371,7 +373,7 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
           f"Command: `{meta['command']}`", "",
           "Every trainer reads the same tokens (the bundled corpus as one .bin/.idx through the library's GPT "
           "dataset and loader, bench/corpus.py). MFU = tokens/s x model FLOPs per token "
-          "(72 L h^2 + 12 L h s + 6 h V, V = 50304; megatron.core.model_counts.flops_per_token) / peak: "
+          "(GPT rows: 72 L h^2 + 12 L h s + 6 h V, V = 50304; megatron.core.model_counts.flops_per_token) / peak: "
           f"bf16 dense peak {bf16_peak:g} TFLOP/s for every row; FP8 rows also against the FP8 dense peak "
           f"{fp8_peak:g} TFLOP/s (FP8 GEMMs in the transformer layers, same bf16 model and FLOP count). "
           "bf16, AdamW, dropout 0.", "",
@@ -392,6 +394,13 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
         md += ["", f"Rows ours-bert / hf-bert: BERT (masked LM + sentence order, bench/bert_throughput.py, run "
                f"{meta.get('bert_date', '?')}: `{meta.get('bert_command', '?')}`); MFU with "
                f"{bert.get('flops_per_token')} FLOPs per token, V = {bert.get('padded_vocab')}."]
+    llama = extras.get("llama")
+    if llama:  # rows of bench/llama_throughput.py: Llama-shaped models, their own FLOP count and command
+        md += ["", f"Rows ours-llama, ours-llama-fp8, torchtitan, torchtitan-fp8, megatron-core, hf-llama-compiled: "
+               f"Llama-shaped models (bench/llama_throughput.py, run {meta.get('llama_date', '?')}: "
+               f"`{meta.get('llama_command', '?')}`); {llama.get('note', '')} FLOPs per token (spec count, "
+               f"megatron.core.model_counts.flops_per_token): {llama.get('flops_per_token')}; peer versions: "
+               f"{llama.get('versions')}."]
     iter_ms = extras.get("iter_ms", {})
     if iter_ms:  # the spread behind each average of our trainer (its log has one time per iteration)
         md += ["", "Our trainer's averaged iterations, one by one (ms), and their median:", ""]
@@ -415,6 +424,26 @@ def write_results(path_json: str, meta: dict, rows: list, extras: dict) -> None:
         f.write("\n".join(md) + "\n")
 
 
+def merge_rows(path_json: str, meta: dict, rows: list, extras: dict, family: str) -> None:
+    """Put the ``rows`` of another script (``family``: "bert", "llama") into the table ``path_json``: rows of the
+    same trainer and shape are replaced, the others kept; ``extras`` and the script's command and date are kept
+    under the family's name."""
+    old = {}
+    if os.path.exists(path_json):
+        with open(path_json) as f:
+            old = json.load(f)
+    keys = {(r["trainer"], r["num_layers"], r["hidden_size"]) for r in rows}
+    kept = [r for r in old.get("rows", []) if (r["trainer"], r["num_layers"], r["hidden_size"]) not in keys]
+    merged_extras = old.get("extras", {})
+    before = merged_extras.get(family, {})  # per-row and per-shape records of the kept rows stay
+    merged_extras[family] = {k: {**before[k], **v} if k != "errors" and isinstance(v, dict)
+                             and isinstance(before.get(k), dict) else v for k, v in extras.items()}
+    merged_meta = {**meta, **{k: v for k, v in old.items() if k not in ("rows", "extras")}} if old else meta
+    merged_meta[f"{family}_command"] = meta["command"]
+    merged_meta[f"{family}_date"] = meta["date"]
+    write_results(path_json, merged_meta, kept + rows, merged_extras)
+
+
 def comma_choices(flag: str, value: str, allowed) -> list:
     """The items of a comma-separated flag value, each one of ``allowed`` (else one error line naming it)."""
     items = [v for v in value.split(",") if v]
@@ -428,7 +457,7 @@ def _glue_values(argv: list) -> list:
     """``--ours-args --flag`` would make argparse read --flag as an option: glue each value to its option."""
     out = list(argv)
     for i in range(len(out) - 1):
-        if out[i] in ("--ours-args", "--ours-shape-args", "--ours-fp8-shape-args", "--variant"):
+        if out[i] in ("--ours-args", "--ours-shape-args", "--ours-fp8-shape-args", "--ours-fp8-args", "--variant"):
             out[i:i + 2] = [f"{out[i]}={out[i + 1]}", ""]
     return [x for x in out if x != ""]
 

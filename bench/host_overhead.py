@@ -162,7 +162,7 @@ def main(argv=None) -> None:
         body.append(f"| {r['model']} | {r['device']} | {', '.join(map(str, r['layers']))} | "
                     f"{', '.join(f'{m:.2f}' for m in r['ms_per_iteration'])} | {r['host_ms_per_layer']:.3f} | "
                     f"{r['ms_outside_layers']:.3f} | {r['aten_ops_per_layer']} |")
-    write_results(args.results_dir, "host_overhead", meta, rows, "Host time per transformer layer", body)
+    write_results(args.results_dir, "host_overhead_cuda" if args.device == "cuda" else "host_overhead", meta, rows, "Host time per transformer layer", body)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from bench.results_io import run_meta, write_results  # noqa: E402
 from megatron.core.datasets.checks import check_token_ids, sentence_level_warning  # noqa: E402
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron.training import checkpoint_io as cio  # noqa: E402
+from megatron.core import checkpoint_io as cio  # noqa: E402
 
 
 def best_of(repeats, fn):

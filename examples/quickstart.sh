@@ -32,17 +32,9 @@ echo "== 3/6 resume the GPT from its checkpoint and train 20 more iterations"
 "$PY" pretrain_gpt.py "${MODEL_ARGS[@]}" --train-iters 120 --load "$OUT/checkpoints"
 
 
-echo "== 4/6 learn a WordPiece vocabulary from the corpus (Hugging Face tokenizers) -> $OUT/data/bert-vocab.txt"
-"$PY" - "$OUT/data" <<'PY'
-import gzip, json, os, sys
-from tokenizers import BertWordPieceTokenizer
-with gzip.open("data/tinyshakespeare.jsonl.gz", "rt") as f:
-    docs = [json.loads(line)["text"] for line in f]
-tok = BertWordPieceTokenizer(lowercase=True)
-tok.train_from_iterator(docs, vocab_size=8000, min_frequency=2, show_progress=False,
-                        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-os.replace(tok.save_model(sys.argv[1])[0], os.path.join(sys.argv[1], "bert-vocab.txt"))
-PY
+echo "== 4/6 learn a WordPiece vocabulary from the corpus -> $OUT/data/bert-vocab.txt"
+"$PY" tools/learn_wordpiece_vocab.py --input data/tinyshakespeare.jsonl.gz --vocab-size 8000 --min-frequency 2 \
+    --output "$OUT/data/bert-vocab.txt"
 
 echo "== 5/6 split the corpus into sentences and WordPiece-tokenise it -> $OUT/data/quickstart_bert_text_sentence"
 "$PY" tools/preprocess_data.py --input data/tinyshakespeare.jsonl.gz --output-prefix "$OUT/data/quickstart_bert" \

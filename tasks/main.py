@@ -41,43 +41,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("task")
     g.add_argument("--task", required=True, choices=TASKS)
     g.add_argument("--valid-data", nargs="+", required=True, help="the evaluation file")
-    g.add_argument("--seq-length", type=int, default=None, help="window length (default: the checkpoint's)")
     g.add_argument("--overlapping-eval", type=int, default=None,
                    help="WikiText window stride; only the last this many targets of later windows count")
     g.add_argument("--strict-lambada", action="store_true", help="require every token of the whole last word")
-    g.add_argument("--micro-batch-size", type=int, default=8)
-    g.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="must equal the number of processes / --pipeline-model-parallel-size (checked); the "
-                        "checkpoint may use any")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="Megatron-LM's old name of --micro-batch-size (used by its older evaluation scripts)")
     g.add_argument("--log-interval", type=int, default=0, help="report progress every N batches (0: never)")
     g.add_argument("--results-file", default=None, help="also write the results as JSON")
     args = p.parse_args(argv)
+    if args.batch_size is not None:
+        if args.micro_batch_size is not None and args.micro_batch_size != args.batch_size:
+            p.error(f"--batch-size {args.batch_size} (the old name of --micro-batch-size) contradicts "
+                    f"--micro-batch-size {args.micro_batch_size}")
+        print(f"note: --batch-size is Megatron-LM's old name of --micro-batch-size; using --micro-batch-size "
+              f"{args.batch_size}", file=sys.stderr)
+        args.micro_batch_size = args.batch_size
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 8
     if len(args.valid_data) != 1:
         p.error(f"--valid-data takes one file, got {len(args.valid_data)}")
     args.valid_data = args.valid_data[0]
     if not os.path.isfile(args.valid_data):
         p.error(f"--valid-data {args.valid_data}: no such file")
-    for name in ("micro_batch_size", "seq_length", "overlapping_eval"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.overlapping_eval is not None and args.overlapping_eval < 1:
+        p.error(f"--overlapping-eval must be >= 1, got {args.overlapping_eval}")
     if args.overlapping_eval is not None and args.task != "WIKITEXT103":
         p.error("--overlapping-eval applies to --task WIKITEXT103")
     if args.strict_lambada and args.task != "LAMBADA":
         p.error("--strict-lambada applies to --task LAMBADA")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp = world // args.pipeline_model_parallel_size
-    if args.tensor_model_parallel_size is not None and args.tensor_model_parallel_size != tp:
-        p.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} must equal the number of "
-                f"processes ({world}) / --pipeline-model-parallel-size ({args.pipeline_model_parallel_size})")
     return args
 
 
 def run(args) -> dict:
     engine, _, _ = build_engine(args)
-    seq = args.seq_length or engine.model.config.seq_length
-    if seq > engine.max_length:
-        raise ValueError(f"--seq-length {seq} exceeds the model's {engine.max_length} positions")
+    seq = args.seq_length or engine.model.config.seq_length  # checked against the model's positions
     tok = engine.tokenizer
     log = print if is_output_rank() else None
     if args.task == "WIKITEXT103":

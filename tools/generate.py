@@ -46,10 +46,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eod", action="store_true", help="keep generating past the end-of-document token")
     g.add_argument("--stop-on-eol", action="store_true", help="stop at the first generated newline")
-    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--batch-size", type=int, default=None, help="prompts run together (default: "
+                   "--micro-batch-size, else 8)")
     g.add_argument("--logprobs", action="store_true", help="with --json: log-probs of every token")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of plain text")
     args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = args.micro_batch_size or 8
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     try:

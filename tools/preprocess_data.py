@@ -31,6 +31,9 @@ def get_args(argv=None) -> PreprocessConfig:
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None, help="vocab.json (GPT-2) or vocab.txt (BERT)")
+    g.add_argument("--vocab", default=None,
+                   help="--vocab-file as older how-tos spell it (Megatron-LM took it as an abbreviation of "
+                        "--vocab-file until it added --vocab-size); accepted with a note")
     g.add_argument("--merge-file", default=None, help="merges.txt (GPT-2)")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json, or its directory (HuggingFaceTokenizer); a "
                    "SentencePiece .model (SentencePieceTokenizer, Llama2Tokenizer)")
@@ -49,10 +52,23 @@ def get_args(argv=None) -> PreprocessConfig:
                         "merged in order (only the document order changes)")
     g.add_argument("--keep-sequential-samples", action="store_true",
                    help="with --partitions, keep the input order (as Megatron-LM's flag)")
+    g.add_argument("--chunk-size", type=int, default=None,
+                   help="Megatron-LM's documents per worker task (2022-2023); accepted with a note: the input is "
+                        "handed to the workers in byte ranges here, and the output does not depend on it")
     g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     g.add_argument("--strict", action="store_true", help="stop at the first bad input line instead of skipping it")
     g.add_argument("--quiet", action="store_true", help="no progress output")
     a = p.parse_args(argv)
+    if a.vocab is not None:
+        if a.vocab_file is not None and a.vocab_file != a.vocab:
+            p.error(f"--vocab {a.vocab} (the older spelling of --vocab-file) contradicts --vocab-file {a.vocab_file}")
+        print(f"note: --vocab is read as --vocab-file {a.vocab} (Megatron-LM's abbreviation of it)", file=sys.stderr)
+        a.vocab_file = a.vocab
+    if a.chunk_size is not None:
+        if a.chunk_size < 1:
+            p.error(f"--chunk-size must be >= 1, got {a.chunk_size}")
+        print(f"note: --chunk-size {a.chunk_size} has no effect: the workers take the input in byte ranges and "
+              "the output is the same for any chunking", file=sys.stderr)
     return PreprocessConfig(
         input=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type, json_keys=tuple(a.json_keys),
         vocab_file=a.vocab_file, merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,

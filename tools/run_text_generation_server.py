@@ -7,13 +7,19 @@
          -d '{"prompts": ["Hello"], "tokens_to_generate": 32, "top_p": 0.9}'
 
 The server binds to 127.0.0.1 unless ``--host`` says otherwise. Under torchrun rank 0 serves and sends each
-validated job to the other ranks, which run the same generation with it.
+validated job to the other ranks, which run the same generation with it. The other ranks wait for jobs on a
+process group of their own whose timeout is a year, so a server idle for longer than
+``--distributed-timeout-minutes`` (the timeout of the collectives inside a generation) still answers. Megatron-LM's
+model flags (``--num-layers``, ``--fp16``, ``--tensor-model-parallel-size``, ...) are accepted and checked against
+the checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import random
 import signal
 import sys
 
@@ -35,7 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-prompts", type=int, default=64, help="prompts per request")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     g.add_argument("--max-pending", type=int, default=64, help="requests waiting for the model before 503")
-    g.add_argument("--model-name", default=None, help="name reported by /health and /v1/completions")
+    g.add_argument("--model-name", default=None, help="name reported by /health, /v1/models and /v1/completions")
+    g.add_argument("--seed", type=int, default=None,
+                   help="requests without a seed of their own draw one from a sequence started at this seed, so "
+                        "a restarted server answers the same requests alike (default: a random seed each)")
     args = p.parse_args(argv)
     for name in ("max_prompts", "max_body_bytes", "max_pending"):
         if getattr(args, name) < 1:
@@ -45,15 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _broadcast_job(prompts, params) -> None:
-    dist.broadcast_object_list([(prompts, params)], src=0)
+# How long the other ranks may wait for the next job: idle time is no failure
+IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
-def follow(engine) -> None:
+def job_group():
+    """A CPU (gloo) group over every rank, with the long ``IDLE_TIMEOUT``, that carries the jobs."""
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def follow(engine, group) -> None:
     """Ranks other than 0: run every job rank 0 sends, until it sends ``None``."""
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             return
         prompts, params = box[0]
@@ -71,14 +85,20 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     distributed = dist.is_initialized() and dist.get_world_size() > 1
+    group = job_group() if distributed else None
     if distributed and dist.get_rank() != 0:
-        follow(engine)
+        follow(engine, group)
         dist.destroy_process_group()
         return 0
+
+    def send_job(prompts, params) -> None:
+        dist.broadcast_object_list([(prompts, params)], src=0, group=group)
+
     limits = Limits(max_prompts=args.max_prompts, max_positions=engine.max_length)
     name = args.model_name or os.path.basename(os.path.normpath(args.load))
     service = GenerationService(engine, limits, model_name=name, max_pending=args.max_pending,
-                                before_generate=_broadcast_job if distributed else None)
+                                before_generate=send_job if distributed else None,
+                                seeds=None if args.seed is None else random.Random(args.seed))
     server = make_server(service, args.host, args.port, max_body_bytes=args.max_body_bytes)
     host, port = server.server_address[:2]
     print(f"> serving {args.load} (iteration {loaded.iteration}, {pstate.describe()}) on http://{host}:{port}",
@@ -94,7 +114,7 @@ def main(argv=None) -> int:
     finally:
         server.server_close()
         if distributed:
-            dist.broadcast_object_list([None], src=0)
+            dist.broadcast_object_list([None], src=0, group=group)
             dist.destroy_process_group()
     return 0
 

@@ -110,13 +110,12 @@ def _check_fp8(ns: argparse.Namespace, tp: int) -> None:
 
 
 def _check_model(ns: argparse.Namespace, tp: int) -> None:
-    """Model-shape checks live in the library's ModelSpec and TransformerConfig; build one to run them (which
-    options the layers build is checked when the model is built, so --dry-run can plan any model)."""
+    """Model-shape checks live in the library's ModelSpec and TransformerConfig; build one to run them."""
     from megatron.training.config import ModelConfig, PrecisionConfig, section_from_namespace, transformer_config
 
     try:
         cfg = transformer_config(section_from_namespace(ModelConfig, ns), section_from_namespace(PrecisionConfig, ns),
-                                 ns.sequence_parallel, padded_vocab_size=0, check_layers=False)
+                                 ns.sequence_parallel, padded_vocab_size=0)
         cfg.check_tensor_parallel(tp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -247,8 +246,6 @@ def validate(ns: argparse.Namespace, world_size: int) -> argparse.Namespace:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(ns, name)}")
     if ns.save_interval is not None and ns.save_interval < 1:
         _fail(f"--save-interval must be >= 1, got {ns.save_interval}")
-    if ns.save_interval is not None and ns.save is None:
-        _fail("--save-interval needs --save")
     if ns.use_checkpoint_args and ns.load is None:
         _fail("--use-checkpoint-args needs --load")
     if ns.exit_on_missing_checkpoint and ns.load is None:
@@ -325,6 +322,8 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: int = 1,
         if getattr(ns, name) is None:
             setattr(ns, name, default)
     validate(ns, world_size)
+    if ns.save_interval is not None and ns.save is None:
+        notes.append(f"note: --save-interval {ns.save_interval} has no effect without --save; nothing is saved")
     for section in extra_sections:
         if section.validate is not None:
             section.validate(ns)

@@ -12,27 +12,12 @@ import re
 import shutil
 from typing import Callable, List, Optional, Sequence
 
-from megatron.training.checkpoint_io import (IN_FLIGHT, MANIFEST, CheckpointCorruptError, CheckpointIOError,
-                                             describe_os_error, fsync_dir, hostname, makedirs_durable,
-                                             remove_quietly, verify_checkpoint)
+from megatron.core.checkpoint_io import (IN_FLIGHT, MANIFEST, CheckpointCorruptError, CheckpointIOError,
+                                         describe_os_error, fsync_dir, hostname, iteration_dir, list_iterations,
+                                         makedirs_durable, remove_quietly, verify_checkpoint)
 
 # NAME.tmp.HOST.PID (checkpoint_io) or NAME.tmp.PID (older writers, host unknown)
 TEMP_NAME = re.compile(r"^(?P<base>.+?)\.tmp\.(?:(?P<host>[^/]+)\.)?(?P<pid>\d+)$")
-ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def list_iterations(root: str) -> List[int]:
-    """Iterations of the ``iter_NNNNNNN`` folders under ``root``, ascending."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    found = (ITER_DIR.match(n) for n in names)
-    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
 
 
 def find_intact_checkpoint(root: str, below: Optional[int] = None,
@@ -98,7 +83,8 @@ def choose_checkpoint(root: str, iteration: int, relpaths: Sequence[str], fallba
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host (one owned by another user counts as alive)."""
+    """Whether a process with this id runs on this host (one owned by another user counts as alive; a zombie,
+    dead but not yet reaped by its parent, does not)."""
     if pid <= 0:
         return False
     try:
@@ -107,7 +93,12 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_temp_files(root: str, quiescent: bool = False, max_depth: int = 3) -> List[str]:

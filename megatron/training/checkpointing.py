@@ -25,11 +25,10 @@ from megatron.core.fusions.fp8 import delayed_scaling_state, load_delayed_scalin
 from megatron.core.parallel_state import ParallelState
 from megatron.core.model_spec import spec_to_args
 from megatron.training import checkpoint_folder as cfold
-from megatron.training import checkpoint_io as cio
+from megatron.core import checkpoint_io as cio
 from megatron.training.config import CheckpointConfig
 
 CHECKPOINT_VERSION = 3.0
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointError(cio.CheckpointIOError):
@@ -37,9 +36,8 @@ class CheckpointError(cio.CheckpointIOError):
 
 
 def checkpoint_dir(root: str, iteration: int, pstate: ParallelState, release: bool = False) -> str:
-    it = "release" if release else f"iter_{iteration:07d}"
     rank = f"mp_rank_{pstate.tp_rank:02d}" + (f"_{pstate.pp_rank:03d}" if pstate.pp_size > 1 else "")
-    return os.path.join(root, it, rank)
+    return os.path.join(cio.iteration_dir(root, iteration, release), rank)
 
 
 def _barrier():
@@ -96,14 +94,15 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, cfg: Checkpoint
     records, error = [], None
     try:
         for file_path, obj in files.items():
-            records.append(cio.save_torch(obj, folder, os.path.relpath(file_path, folder)))
+            marked = {**obj, cio.MANIFEST_KEY: cio.MANIFEST_FORMAT}  # its folder gets a manifest
+            records.append(cio.save_torch(marked, folder, os.path.relpath(file_path, folder)))
     except cio.CheckpointIOError as exc:
         error = exc
     records = cio.gather_records(records, error)  # every rank raises the first failing writer's line
     if pstate.rank == 0:
         cio.write_manifest(folder, iteration, records)
         cfold.remove_stale_temp_files(cfg.save, quiescent=True)
-        cio.write_text_durable(os.path.join(cfg.save, TRACKER), str(iteration))
+        cio.write_tracker(cfg.save, iteration)
         if cfg.keep_last_checkpoints:
             cfold.prune_checkpoints(cfg.save, cfg.keep_last_checkpoints, iteration)
     _barrier()
@@ -195,24 +194,15 @@ def _megatron_layout_files(iteration: int, model, optim_state, scheduler, cfg: C
 
 
 def read_tracker(root: str) -> int:
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        raise CheckpointError(f"no checkpoint to load: {tracker} does not exist")
-    text = open(tracker).read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"corrupt tracker file {tracker}: expected an iteration number, found {text!r}")
+    """The iteration the tracker of ``root`` names (0 for ``release``); ``CheckpointIOError`` when unreadable."""
+    return cio.read_tracker(root)[0]
 
 
 def read_saved_args(root: str) -> dict:
     """The stored arguments of the latest checkpoint under ``root`` (any rank's file; weights not read), as plain
     types; Megatron-LM's checkpoints (a pickled ``argparse.Namespace``, or ``common.pt`` of a ``torch_dist``
     folder) are read through the safe unpickler."""
-    iteration = read_tracker(root)
-    it_dir = os.path.join(root, "release" if iteration == 0 else f"iter_{iteration:07d}")
+    iteration, it_dir = cio.read_tracker(root)
     fmt = checkpoint_format(it_dir) if os.path.isdir(it_dir) else None
     if fmt in ("megatron", "torch_dist"):
         path = os.path.join(it_dir, "common.pt") if fmt == "torch_dist" else next(iter(rank_files(it_dir).values()))
@@ -254,10 +244,7 @@ def load_checkpoint(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
     with the path and the reason on a missing, corrupt or incompatible checkpoint.
     """
     root = cfg.load
-    if not os.path.isdir(root):
-        raise CheckpointError(f"--load directory {root} does not exist")
-    iteration = read_tracker(root)
-    iter_folder = os.path.join(root, "release" if iteration == 0 else f"iter_{iteration:07d}")
+    iteration, iter_folder = cio.read_tracker(root)
     fmt = checkpoint_format(iter_folder) if os.path.isdir(iter_folder) else None
     if fmt in ("megatron", "torch_dist"):
         return _load_converted(model, optimizer, scheduler, cfg, pstate, iteration, iter_folder, fmt)
@@ -456,6 +443,5 @@ def _load_converted(model, optimizer, scheduler, cfg: CheckpointConfig, pstate: 
 
 
 def latest_iteration(root: Optional[str]) -> Optional[int]:
-    if not root or not os.path.isfile(os.path.join(root, TRACKER)):
-        return None
-    return read_tracker(root)
+    """The tracker's iteration, or None when ``root`` holds no tracker (no checkpoint yet)."""
+    return read_tracker(root) if cio.has_tracker(root) else None

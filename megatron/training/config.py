@@ -291,10 +291,9 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 
 
 def transformer_config(model: ModelConfig, precision: PrecisionConfig, sequence_parallel: bool,
-                       padded_vocab_size: int, check_layers: bool = True, **spec_overrides):
+                       padded_vocab_size: int, **spec_overrides):
     """The library's ``TransformerConfig``: the model's spec plus the runtime switches of these sections (it
-    validates the model itself). ``spec_overrides``: spec fields an entry point fixes (BERT's attention mask).
-    ``check_layers``: also refuse, by flag, options the transformer layers do not build (the model providers)."""
+    validates the model itself). ``spec_overrides``: spec fields an entry point fixes (BERT's attention mask)."""
     from megatron.core.transformer.config import TransformerConfig
 
     config = TransformerConfig.from_spec(
@@ -310,6 +309,4 @@ def transformer_config(model: ModelConfig, precision: PrecisionConfig, sequence_
         fp8=precision.fp8_format, fp8_margin=precision.fp8_margin, fp8_recipe=precision.fp8_recipe,
         fp8_amax_history_len=precision.fp8_amax_history_len, fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
     )
-    if check_layers:
-        config.check_layer_support()
     return config

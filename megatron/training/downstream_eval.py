@@ -71,6 +71,7 @@ class DownstreamEvaluator:
 
     def __init__(self, cfg, tokenizer, seq_length: int, micro_batch_size: int, pstate: ParallelState):
         self.pstate, self.micro_batch_size = pstate, micro_batch_size
+        self.vocab_size = tokenizer.vocab_size  # scores over the real vocabulary, as tasks/main.py's
         self.tasks: List[_Task] = []
         limit = cfg.eval_tasks_max_examples
         try:
@@ -100,7 +101,7 @@ class DownstreamEvaluator:
         for chunk in chunks:
             chunk.eval()
         try:
-            runner = ModelChunksForward(chunks, self.pstate)
+            runner = ModelChunksForward(chunks, self.pstate, self.vocab_size)
             results: Dict[str, float] = {}
             for task in self.tasks:
                 if task.name == "lambada":

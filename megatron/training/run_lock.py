@@ -26,9 +26,27 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.training.checkpoint_folder import pid_alive
-from megatron.training.checkpoint_io import hostname
+from megatron.core.checkpoint_io import hostname
 
 LOCK_NAME = "run.lock"
+_HELD: set = set()  # the locks this process holds
+
+
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader worker): close the inherited lock files without unlocking them, so the
+    lock stays the parent's alone and ends with the parent, whatever the child does."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class RunLockError(RuntimeError):
@@ -86,8 +104,12 @@ class RunLock:
             locked = self._try_flock(fd)  # True, False (held by another), None (flock not supported here)
             if locked is False:
                 other = _read_record(fd)
+                if other is not None and other.host == hostname() and not pid_alive(other.pid):
+                    locked = self._wait_for_orphans(fd)
+            if locked is False:
                 os.close(fd)
-                raise RunLockError(self._busy(other))
+                raise RunLockError(self._busy(other, orphaned=other is not None and other.host == hostname()
+                                              and not pid_alive(other.pid)))
             if self._same_file(fd):
                 break
             os.close(fd)  # the previous owner removed the file between our open and our flock: again
@@ -109,6 +131,7 @@ class RunLock:
             os.close(fd)
             raise
         self._fd, self.record = fd, me
+        _HELD.add(self)
         self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
         self._thread.start()
         atexit.register(self.release)
@@ -125,6 +148,16 @@ class RunLock:
             if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 return None
             raise
+
+    def _wait_for_orphans(self, fd: int, wait_s: float = 10.0) -> bool:
+        """The recorded owner is dead but the flock is held: by children it started (they share its open file),
+        which die with it (DataLoader workers are asked to) a moment later. Wait up to ``wait_s`` for them."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if self._try_flock(fd):
+                return True
+        return False
 
     def _same_file(self, fd: int) -> bool:
         try:
@@ -147,8 +180,11 @@ class RunLock:
             return f"no heartbeat for {age:.0f} s (more than {self.stale_after_s:.0f} s)"
         return None
 
-    def _busy(self, other: Optional[LockRecord]) -> str:
+    def _busy(self, other: Optional[LockRecord], orphaned: bool = False) -> str:
         who = other.describe() if other is not None else "a run that has not written its record yet"
+        if orphaned:
+            return (f"the --save folder {self.folder} is locked by processes left behind by a run that died "
+                    f"({who}; its process is gone, but a process it started still holds {self.path}): end them")
         return f"the --save folder {self.folder} is in use by another run ({who}); lock file {self.path}"
 
     def _beat(self) -> None:
@@ -167,6 +203,7 @@ class RunLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        _HELD.discard(self)
         self._stop.set()
         try:
             if self._same_file(fd) and _read_record(fd) == self.record:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -24,7 +25,7 @@ from megatron.core.distributed import DDPConfig, DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpoint_folder as cfold
-from megatron.training import checkpoint_io as cio
+from megatron.core import checkpoint_io as cio
 from megatron.training import checkpointing, signals, watchdog
 from megatron.training.arguments import parse_config, world_size_from_env
 from megatron.training.config import (CheckpointConfig, ParallelConfig, RunConfig, SchedulerConfig,
@@ -96,19 +97,42 @@ def initialize_distributed(parallel: ParallelConfig) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(local_rank or "0") % torch.cuda.device_count())
     if parallel.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=parallel.distributed_backend,
-                                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+        timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+        store = restart_attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=parallel.distributed_backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=parallel.distributed_backend, timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return parallel.world_size
 
 
+def restart_attempt_store(timeout: datetime.timedelta):
+    """Under ``torchrun``, the launcher's store seen through a prefix of this restart attempt; None elsewhere.
+
+    ``torchrun``'s default (static) rendezvous keeps one store for all the attempts of ``--max-restarts`` and
+    hands it to the ranks without a per-attempt prefix, so the ranks of a restart would read the addresses that
+    the previous attempt's (dead) ranks published for each process group, and the heartbeat records of those
+    ranks: joining a group then fails (``connectFullMesh ... Connection refused``) or waits out the timeout.
+    Every key of this run lives under ``megatron-lite/attempt_N/`` instead.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"megatron-lite/attempt_{attempt}/", client)
+
+
 def check_checkpoint_folders(ck: CheckpointConfig):
-    """Start-up checks of --load and --save, before any model is built: a --load folder that does not exist is
-    an error (an existing folder without a checkpoint still means "start from scratch"); --save must be writable
-    (every rank probes: each may write on its own mount) and is locked against a second run (rank 0 holds the
-    lock until exit). Returns the lock (None without --save, or on ranks that do not hold it)."""
-    if ck.load and not os.path.isdir(ck.load):
-        raise SharedError(f"--load folder {ck.load} does not exist (to start from scratch, create it or leave "
-                          "--load out)")
+    """Start-up checks of --load and --save, before any model is built: under --exit-on-missing-checkpoint a
+    --load folder without a checkpoint is an error (otherwise the run starts from scratch, as on the first launch
+    of a script that saves and loads the same folder); --save must be writable (every rank probes: each may write
+    on its own mount) and is locked against a second run (rank 0 holds the lock until exit). Returns the lock
+    (None without --save, or on ranks that do not hold it)."""
+    if ck.load and ck.exit_on_missing_checkpoint and checkpointing.latest_iteration(ck.load) is None:
+        why = "does not exist" if not os.path.isdir(ck.load) else "holds no checkpoint"
+        raise SharedError(f"--exit-on-missing-checkpoint: the --load folder {ck.load} {why}")
     if ck.save:
         cfold.check_save_dir_writable(ck.save)
         lock = acquire_for_job(ck.save)
@@ -138,6 +162,7 @@ def job_environment(argv: Optional[List[str]], extra_sections: Sequence = ()) ->
             print(note, flush=True)
     if cfg.training.exit_signal_handler:
         signals.install(cfg.training.exit_signal)
+    signals.stop_with_launcher()
     heartbeat = None
     try:
         initialize_distributed(cfg.parallel)
@@ -222,10 +247,8 @@ def load_checkpoint_if_any(ck: CheckpointConfig, model, optimizer, scheduler,
         iteration, consumed = checkpointing.load_checkpoint(model, optimizer, scheduler, ck, pstate)
         print_rank_0(f"> loaded checkpoint from {ck.load} at iteration {iteration}")
         return iteration, consumed
-    if ck.load and ck.exit_on_missing_checkpoint:
-        raise SharedError(f"--exit-on-missing-checkpoint: no checkpoint in --load {ck.load}")
-    if ck.load:
-        print_rank_0(f"> no checkpoint found in {ck.load}; starting from scratch")
+    if ck.load:  # --exit-on-missing-checkpoint stopped at start-up (check_checkpoint_folders)
+        print_rank_0(f"> no checkpoint found in --load {ck.load}; starting from scratch")
     return 0, 0
 
 
@@ -288,15 +311,26 @@ def main_entry(run: Callable[[], object]) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         _exit(2)
     except RuntimeError as exc:
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+        first = (str(exc).splitlines() or [""])[0]
+        if watchdog.is_lost_peer(first):  # checked first: gloo's "connection reset" text also says "timed out"
+            line = watchdog.describe_lost_peer(_env_rank(), _short_gloo_error(first))
+        elif "timed out" in first.lower() or "timeout" in first.lower():
+            line = watchdog.describe_timeout(_env_rank(), first)
+        else:
             raise
-        print(f"error: {watchdog.describe_timeout(_env_rank(), str(exc).splitlines()[0])}", file=sys.stderr,
-              flush=True)
+        print(f"error: {line}", file=sys.stderr, flush=True)
         _exit(1)
     finally:
         watchdog.stop_heartbeat()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _short_gloo_error(line: str) -> str:
+    """gloo's message without its source location and advice: ``Read error [127.0.0.1]:22919: Connection reset by
+    peer``."""
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", line.strip())
+    return line.split(". This is typically caused", 1)[0]
 
 
 def _exit(code: int) -> None:

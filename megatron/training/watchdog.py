@@ -5,12 +5,16 @@
 - ``Heartbeat``: every rank publishes a counter in the c10d store from a background thread; when a collective
   times out, the ranks still running read the counters and name the rank (host, pid, last iteration) whose
   counter stopped, instead of a bare timeout.
+- ``describe_lost_peer``: when a collective fails because a peer's connection broke (the peer was killed), the
+  one line naming the ranks whose process is gone (each rank's host and pid are read once at start, so this
+  works even when the dead rank hosted the store).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -20,6 +24,7 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
+from megatron.training.checkpoint_folder import pid_alive
 from megatron.training.flag_table import SharedError
 
 
@@ -90,6 +95,7 @@ class Heartbeat:
         self.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
         self.store.set(f"rank/{self.rank}/who", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         self.iteration = 0  # set by the training loop; read by the thread
+        self.peers: dict = {}  # {rank: {"host", "pid"}}, read by the thread once every rank published its own
         self.store.set(f"rank/{self.rank}/beat", "0 0")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -110,6 +116,10 @@ class Heartbeat:
             store = self._client()
         except (RuntimeError, OSError):
             return
+        try:
+            self.peers = {r: json.loads(store.get(f"rank/{r}/who").decode()) for r in range(self.world)}
+        except (RuntimeError, OSError, ValueError):
+            pass  # a rank that never published: only the timeout path can name ranks then
         start = time.monotonic()
         count, last_iteration, changed_at, check_from, pending, reported = 0, self.iteration, start, start, None, False
         while not self._stop.is_set():
@@ -215,3 +225,42 @@ def describe_timeout(rank: int, error: str) -> str:
         return (f"{base}, but every rank's heartbeat is alive: the ranks are waiting in different collectives "
                 f"(a deadlock, not a frozen rank): {error}")
     return f"{_name_ranks(stalled)}; {base}"
+
+
+# gloo's messages when a peer's socket closes under it (the peer process died, or its host went away)
+_LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Connection refused|Socket closed|"
+                        r"Read error|Write error|Connection timed out", re.IGNORECASE)
+
+
+def is_lost_peer(error: str) -> bool:
+    """Whether a collective's error says a peer's connection broke."""
+    return bool(_LOST_PEER.search(error))
+
+
+def describe_lost_peer(rank: int, error: str) -> str:
+    """The one line a rank prints when a collective failed because a peer's connection broke: the ranks of this
+    host whose process is gone (from the hosts and pids published at start), else the ranks whose heartbeat
+    stopped, else the error itself."""
+    beat = _current
+    base = f"rank {rank} lost its connection to a peer in a collective ({error})"
+    if beat is None:
+        return base
+    here = socket.gethostname()
+    local = {r: int(who.get("pid", 0)) for r, who in beat.peers.items() if r != rank and who.get("host") == here}
+    dead: List[int] = []
+    deadline = time.monotonic() + 3.0  # a killed process closes its sockets a moment before it is gone
+    while local and not dead and time.monotonic() < deadline:
+        dead = sorted(r for r, pid in local.items() if not pid_alive(pid))
+        if not dead:
+            time.sleep(0.1)
+    if dead:
+        names = "; ".join(f"rank {r} (host {beat.peers[r]['host']}, pid {beat.peers[r]['pid']})" for r in dead)
+        verb = "has" if len(dead) == 1 else "have"
+        return f"{names} {verb} died (the process is gone); {base}"
+    try:
+        stalled = beat.stalled_ranks()
+    except (RuntimeError, OSError):
+        stalled = []
+    if stalled:
+        return f"{_name_ranks(stalled)}; {base}"
+    return base

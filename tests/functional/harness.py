@@ -65,7 +65,7 @@ def run_pretrain(argv: List[str], nproc: int = 1, timeout: int = 600, expect_ok:
     if nproc > 1:
         cmd += ["-m", launcher, "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
     cmd += [os.path.join(ROOT, script)] + argv
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}  # env may override
     full_env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
     if expect_ok and proc.returncode != 0:

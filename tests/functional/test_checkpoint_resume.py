@@ -84,10 +84,12 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(data_prefix, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"error: checkpoint iteration 2: file {path} has 1000 bytes, ")
     assert "were saved (truncated or overwritten)" in proc.stderr
-    # --load of a folder that does not exist (a typo) is an error, before any training
-    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "nope")), expect_ok=False)
+    # --load of a folder that does not exist is an error under --exit-on-missing-checkpoint, before any training
+    proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "nope"),
+                                 exit_on_missing_checkpoint=True), expect_ok=False)
     assert proc.returncode == 2 and parse_iterations(proc.stdout) == {}
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --load folder {tmp_path / 'nope'} does not exist")
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: --exit-on-missing-checkpoint: the --load folder "
+                                                    f"{tmp_path / 'nope'} does not exist")
     # --load of an existing folder with no checkpoint yet (first launch of an auto-resuming script) starts fresh
     (tmp_path / "empty").mkdir()
     proc = run_pretrain(gpt_args(data_prefix, train_iters=2, load=str(tmp_path / "empty")))

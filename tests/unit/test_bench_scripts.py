@@ -19,7 +19,10 @@ BENCH = os.path.join(ROOT, "bench")
 
 MAINTAINED = ["gpu_throughput.py", "minimal_gpt.py", "multi_gpu.py", "memory.py", "optimizer_memory.py",
               "optimizer_step.py", "attention_backends.py", "preprocess_throughput.py", "kernel_sweep.py",
-              "ab_trees.py", "zero_shot.py", "host_overhead.py", "sp_memory_paper.py", "sp_backward_gather.py"]
+              "ab_trees.py", "zero_shot.py", "host_overhead.py", "sp_memory_paper.py", "sp_backward_gather.py",
+              "llama_throughput.py", "llama_peers.py"]
+# a Python with megatron-core (never imported by the project itself): the Megatron-Core row of the Llama table
+MCORE_PYTHON = os.environ.get("MCORE_PYTHON", "/work/venv-mcore/bin/python")
 
 
 def _env():
@@ -218,3 +221,83 @@ def test_host_overhead_proxy_runs_the_trainer_and_counts_ops(tmp_path):
     # one layer's forward + backward: at least its four GEMMs and their gradient GEMMs
     assert row["aten_ops_per_layer"] >= 12
     assert "host ms per layer" in (tmp_path / "host_overhead.md").read_text()
+
+
+def _has_package(python: str, package: str) -> bool:
+    return os.access(python, os.X_OK) and subprocess.run(
+        [python, "-c", f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)"],
+        cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True).returncode == 0
+
+
+def test_llama_table_rows_on_cpu(corpus_prefix, tmp_path):
+    """The Llama table at the tiny shape: ours (pretrain_gpt.py with the Llama flag block), Hugging Face and
+    Megatron-Core (in its own Python) train on the same saved micro-batches over a 128,256-row vocabulary; their
+    rows merge into the table next to a row already there, with the spec-based FLOPs per token."""
+    import warnings
+
+    trainers, pythons = ["ours-llama"], []
+    if _has_package(sys.executable, "transformers"):
+        trainers.append("hf-llama-compiled")
+    else:
+        warnings.warn("hf-llama-compiled row not checked: transformers is not installed")
+    if _has_package(MCORE_PYTHON, "megatron.core"):
+        trainers.append("megatron-core")
+        pythons = ["--python", f"megatron-core={MCORE_PYTHON}"]
+    else:
+        warnings.warn(f"megatron-core row not checked: {MCORE_PYTHON} (MCORE_PYTHON) has no megatron.core")
+    old_row = {"trainer": "ours", "num_layers": 12, "hidden_size": 768, "seq_length": 1024, "micro_batch_size": 16,
+               "ms_per_iter": 1.0, "tokens_per_s": 1.0, "mfu": 0.5, "mfu_fp8_peak": None, "peak_mem_gib": 1.0,
+               "command": "python pretrain_gpt.py"}
+    (tmp_path / "gpu_throughput.json").write_text(json.dumps({
+        "date": "d", "command": "c", "env": {"gpu": "g", "torch": "t", "cuda": None, "triton": "x",
+                                             "transformers": "y", "python": "p"},
+        "peak_tflops": {"bf16": 989.0, "fp8": 1979.0}, "rows": [old_row], "extras": {}}))
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "llama_throughput.py"), "--shapes", "tiny",
+                           "--device", "cpu", "--trainers", ",".join(trainers), "--iters", "1", "--warmup", "1",
+                           "--data-prefix", corpus_prefix, "--results-dir", str(tmp_path)] + pythons,
+                          cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    table = json.loads((tmp_path / "gpu_throughput.json").read_text())
+    assert table["rows"][0] == old_row
+    rows = {r["trainer"]: r for r in table["rows"][1:]}
+    assert sorted(rows) == sorted(trainers)
+    llama = table["extras"]["llama"]
+    # 2 layers of h 64, 4 heads of 16 in 2 groups, SwiGLU 256, untied output of 128,256 rows, seq 128; x 3
+    h, d, s, f, V = 64, 16, 128, 256, 128256
+    layer = 2 * h * (4 + 2 * 2) * d + 4 * s * 4 * d + 2 * 4 * d * h + 2 * h * f * 2 + 2 * f * h
+    assert llama["flops_per_token"]["2x64"] == pytest.approx(3 * (2 * layer + 2 * h * V))
+    for trainer, row in rows.items():
+        assert row["ms_per_iter"] > 0 and row["mfu_fp8_peak"] is None
+        losses = llama["losses"][f"{trainer}/2x64"]
+        # an untrained model over 128,256 rows starts near ln(128256) = 11.76, on every trainer
+        assert len(losses) == 2 and all(abs(x - math.log(V)) < 1.0 for x in losses), (trainer, losses)
+
+
+def test_gpu_session_steps_name_existing_cases():
+    """The GPU steps name what the scripts accept: every ``--case`` of an A/B step parses in ab_trees.py, every
+    ``--only`` configuration of the memory step is one of plan_validation.py's, every peer of the Llama step is
+    one of llama_throughput.py's trainers."""
+    import re
+
+    sys.path.insert(0, BENCH)
+    try:
+        import ab_trees
+        import llama_throughput
+        import plan_validation
+    finally:
+        sys.path.remove(BENCH)
+    with open(os.path.join(BENCH, "gpu_session.sh")) as f:
+        text = f.read().replace("\\\n", " ")
+    cases = re.findall(r'--case "([^"]*)"', text)
+    assert len(cases) >= 9
+    parsed = {ab_trees.parse_case(c)[:2] for c in cases}
+    assert {("124m", "ours"), ("124m", "ours-fp8"), ("1.3b", "ours"), ("1.3b", "ours-fp8"),
+            ("large", "ours-bert")} <= parsed
+    (only,) = re.findall(r"plan_validation\.py [^|]*?--only\s+(\S+)", text)
+    names = {c[0] for c in plan_validation.CONFIGS}
+    assert set(only.split(",")) <= names and sum("dropout" in n for n in only.split(",")) == 4
+    step = text[text.index("  llama-1b|llama-3b)"):text.index(";;", text.index("  llama-1b|llama-3b)"))]
+    assert "bench/llama_throughput.py" in step and "--python" in step
+    assert llama_throughput.python_for([f"torchtitan,torchtitan-fp8={sys.executable}"]) == {
+        "torchtitan": sys.executable, "torchtitan-fp8": sys.executable}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions import fp8
-from megatron.core.fusions.mlp import bias_gelu_linear
+from megatron.core.fusions.mlp import bias_activation_linear, bias_gelu_linear
 from megatron.core.fusions.ops import bias_gelu_reference
 
 
@@ -111,20 +111,29 @@ def test_weight_gradient_goes_into_main_grad():
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-def test_gelu_linear_paths_equal_the_plain_fp8_composition(recompute):
-    """bias_gelu_linear under FP8, recomputing the GeLU in backward or keeping q(g)^T, against GeLU + fp8_linear."""
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_activation_linear_paths_equal_the_plain_fp8_composition(activation, recompute):
+    """The MLP's second GEMM under FP8 with its activation (GeLU, or SwiGLU on [gate; up]), recomputing the
+    activation in backward or keeping q(g)^T, against the activation + fp8_linear."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 16, 128, generator=g).bfloat16()
-    bias = torch.randn(128, generator=g).bfloat16()
+    width = 256 if activation == "swiglu" else 128
+    x = torch.randn(2, 16, width, generator=g).bfloat16()
+    bias = torch.randn(width, generator=g).bfloat16()
     w = (torch.randn(64, 128, generator=g) * 0.05).bfloat16()
     dout = torch.randn(2, 16, 64, generator=g).bfloat16()
     outs, grads = [], []
     for fused_path in (True, False):
         xi, bi, wi = (t.clone().requires_grad_() for t in (x, bias, w))
-        if fused_path:
+        if fused_path and activation == "gelu":
             out = bias_gelu_linear(xi, bi, wi, use_fused=False, fp8_format="hybrid", recompute=recompute)
-        else:
+        elif fused_path:
+            out = bias_activation_linear(xi, bi, wi, "swiglu", use_fused=False, fp8_format="hybrid",
+                                         recompute=recompute)
+        elif activation == "gelu":
             out = fp8.fp8_linear(bias_gelu_reference(xi, bi), wi, None, "hybrid")
+        else:
+            gate, up = (xi + bi).chunk(2, dim=-1)
+            out = fp8.fp8_linear(torch.nn.functional.silu(gate) * up, wi, None, "hybrid")
         out.backward(dout)
         outs.append(out)
         grads.append([t.grad for t in (xi, bi, wi)])

@@ -141,11 +141,11 @@ def test_selective_recompute_limited_to_first_layers():
     cfg = _config(num_layers=3, recompute_granularity="selective", recompute_num_layers=2,
                   recompute_modules=("mlp_act",))
     model = GPTModel(cfg, ps)
-    flags = [(layer.self_attention.recompute_core, layer.mlp.linear_fc2.recompute_input_gelu)
+    flags = [(layer.self_attention.recompute_core, layer.mlp.recompute_act)
              for layer in model.decoder.layers]
     assert flags == [(False, True), (False, True), (False, False)]
     every = GPTModel(_config(num_layers=3, recompute_granularity="selective"), ps)
-    assert all(layer.mlp.linear_fc2.recompute_input_gelu and layer.self_attention.recompute_core
+    assert all(layer.mlp.recompute_act and layer.self_attention.recompute_core
                for layer in every.decoder.layers)
     with pytest.raises(ValueError, match="--recompute-num-layers must be >= 1"):
         _config(num_layers=3, recompute_granularity="selective", recompute_num_layers=0)

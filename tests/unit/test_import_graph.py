@@ -213,3 +213,30 @@ def test_checker_finds_a_cycle_and_a_private_import(tmp_path, monkeypatch):
         "private import: megatron.c imports private module megatron.sub._impl",
         "private import: megatron.c uses _helper from megatron.sub.d",
     ]
+
+
+# (lower package, higher package): nothing in the lower one imports the higher one, directly or through others
+LAYERING = [("megatron.core.tensor_parallel", "megatron.core.transformer")]
+
+
+def _reachable(start: str, edges: Dict[str, Set[str]]) -> Set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in edges[todo.pop()]:
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def test_lower_packages_do_not_import_higher_ones():
+    """The tensor-parallel layers take their own configuration and know nothing of the transformer."""
+    modules = _module_files()
+    edges, _ = _scan(modules)
+    upward = []
+    for lower, higher in LAYERING:
+        for module in sorted(m for m in modules if m == lower or m.startswith(lower + ".")):
+            reached = sorted(w for w in _reachable(module, edges) if w == higher or w.startswith(higher + "."))
+            if reached:
+                upward.append(f"{module} reaches {reached[0]}")
+    assert not upward, "upward imports:\n  " + "\n  ".join(upward)

@@ -6,7 +6,8 @@
 
 Loaders: ``megatron`` (Megatron-LM legacy torch format, also pre-Core files of ``checkpoint_version`` 0-3, and
 ``torch_dist``, read through an allowlist, never executing code),
-``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2; for BERT ``BertForPreTraining`` post-LN or
+``ours`` (our checkpoint folders), ``hf`` (Hugging Face GPT-2 or, by ``config.json``'s ``model_type``,
+``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``; for BERT ``BertForPreTraining`` post-LN or
 ``MegatronBertForPreTraining`` pre-LN). Savers: ``ours``, ``megatron`` (any target TP/PP;
 ``--reshard-optimizer`` carries optimizer, scheduler and, when the layout is unchanged, RNG state), ``torch_dist``
 (Megatron-LM's ``--ckpt-format torch_dist``; the optimizer as its distributed optimizer's) and ``hf``.
@@ -23,7 +24,8 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]
 
-from megatron.core.checkpoint_formats import CheckpointFormatError, get_family  # noqa: E402
+from megatron.core.checkpoint_formats import get_family  # noqa: E402
+from megatron.core.checkpoint_io import CheckpointIOError  # noqa: E402
 
 LOADERS = ("megatron", "ours", "hf")
 SAVERS = ("ours", "megatron", "torch_dist", "hf")
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     try:
         return convert(opts)
-    except CheckpointFormatError as exc:
+    except CheckpointIOError as exc:  # the checkpoint folder's errors, the formats' among them
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
 

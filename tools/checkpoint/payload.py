@@ -54,6 +54,8 @@ def tokenizer_facts(args: Dict[str, Any], vocab_file: Optional[str], merge_file:
             size = int(args["vocab_size"])
         return size, (eod if eod < size else None), vocab_file, None
     size = args.get("vocab_size")
+    if args.get("tokenizer_type") == "NullTokenizer":
+        return None, None, None, None  # its end-of-document id adds a row: dims_from_args counts it
     return (int(size) if size else None), None, None, None
 
 
@@ -70,7 +72,7 @@ def check_family(loaded: LoadedCheckpoint, family: ModelFamily, where: str) -> N
 def payload_from_loaded(loaded: LoadedCheckpoint, family: ModelFamily, dims: ModelDims, source: str,
                         opts) -> Payload:
     check_family(loaded, family, opts.load_dir)
-    full = merge_tp_pp(loaded.model_state_per_rank, family, tied=dims.tied_embeddings)
+    full = merge_tp_pp(loaded.model_state_per_rank, family, tied=dims.tied_embeddings, dims=dims)
     family.check_shapes(full, dims, opts.load_dir)
     tp, pp, _ = layout_of(loaded.model_state_per_rank)
     return Payload(family=family, dims=dims, full=full, args=loaded.args_dict, source=source, source_layout=(tp, pp),

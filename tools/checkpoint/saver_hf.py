@@ -1,13 +1,51 @@
-"""``--saver hf``: a Hugging Face folder ``transformers`` loads offline (weights only): ``GPT2LMHeadModel`` for
-GPT; ``BertForPreTraining`` (post-LN) or ``MegatronBertForPreTraining`` (pre-LN) for BERT (the masked-LM classes
-for a BERT without the binary head)."""
+"""``--saver hf``: a Hugging Face folder ``transformers`` loads offline (weights only): for GPT,
+``LlamaForCausalLM`` when the model has RMSNorm, rotary positions and SwiGLU (``Qwen2ForCausalLM`` when its only
+biases are q, k, v's), else ``GPT2LMHeadModel``; ``BertForPreTraining`` (post-LN) or ``MegatronBertForPreTraining``
+(pre-LN) for BERT (the masked-LM classes for a BERT without the binary head)."""
 
+import dataclasses
 import os
+import shutil
 
-from megatron.core.checkpoint_formats import CheckpointFormatError, save_hf_bert, save_hf_gpt2
+from megatron.core.checkpoint_formats import CheckpointFormatError, save_hf_bert, save_hf_gpt2, spec_from_saved
+from megatron.core.checkpoint_formats.hf_llama import llama_model_type, save_hf_llama
+
+
+def _is_llama(spec) -> bool:
+    """A Llama-family model (anything else with these options is refused by the Llama mapping, naming the flag)."""
+    return spec.normalization == "RMSNorm" or spec.position_embedding_type == "rope" or spec.gated_linear_unit
+
+
+def _save_llama(opts, payload, spec, init_std):
+    dims = payload.dims
+    if dims.vocab_size is None:
+        raise CheckpointFormatError("the real vocabulary size is unknown (the checkpoint's arguments name no "
+                                    "tokenizer); pass --true-vocab-size")
+    spec = dataclasses.replace(spec, padded_vocab_size=dims.padded_vocab_size)
+    tokenizer = payload.args.get("tokenizer_model")
+    if not (payload.args.get("tokenizer_type") == "HuggingFaceTokenizer" and tokenizer):
+        payload.notes.append("tokenizer files not written (the model was not trained with a HuggingFaceTokenizer "
+                             "tokenizer.json): add the tokenizer's files to the folder")
+    files = save_hf_llama(opts.save_dir, payload.full, spec, dims.vocab_size, eos=payload.eod, init_std=init_std)
+    if payload.args.get("tokenizer_type") == "HuggingFaceTokenizer" and tokenizer:
+        files = _copy_tokenizer(tokenizer, opts.save_dir)
+    kind = llama_model_type(spec)
+    payload.notes.append(f"written as {'Qwen2ForCausalLM' if kind == 'qwen2' else 'LlamaForCausalLM'}")
+    return files
+
+
+def _copy_tokenizer(tokenizer: str, out_dir: str) -> list:
+    folder = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out_dir, name))
+    return sorted(os.listdir(out_dir))
 
 
 def _save_gpt(opts, payload, dropout, init_std):
+    spec = spec_from_saved(payload.args)
+    if _is_llama(spec):
+        return _save_llama(opts, payload, spec, init_std)
     if not (payload.vocab_file and payload.merge_file):
         payload.notes.append("no GPT-2 vocab/merges files found (pass --vocab-file/--merge-file): tokenizer files "
                              "not written")

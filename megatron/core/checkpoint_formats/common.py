@@ -9,13 +9,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from megatron.core import checkpoint_io
 from megatron.core.checkpoint_formats.layout import ModelDims, ModelFamily
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 from megatron.core.model_spec import ModelSpec, spec_from_args
 
 SPEC_KEY = "model_spec"  # our checkpoints: the model's ModelSpec as a plain dict, next to "args"
 
-TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -39,18 +39,8 @@ class LoadedCheckpoint(NamedTuple):
 
 
 def read_tracker(root: str) -> Tuple[int, str]:
-    """``(iteration, iteration folder)`` named by ``latest_checkpointed_iteration.txt`` (``release``: 0)."""
-    if not os.path.isdir(root):
-        raise CheckpointFormatError(f"--load-dir {root} is not a directory")
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        raise CheckpointFormatError(f"{root} holds no {TRACKER}: not a Megatron-layout checkpoint folder")
-    text = open(tracker).read().strip()
-    if text == "release":
-        return 0, os.path.join(root, "release")
-    if not text.isdigit():
-        raise CheckpointFormatError(f"corrupt tracker file {tracker}: expected an iteration number, found {text!r}")
-    return int(text), os.path.join(root, f"iter_{int(text):07d}")
+    """``(iteration, iteration folder)`` named by the tracker (``release``: 0); see ``checkpoint_io``."""
+    return checkpoint_io.read_tracker(root, flag="--load-dir")
 
 
 def rank_files(iter_dir: str) -> Dict[Tuple[int, int], str]:
@@ -101,19 +91,14 @@ def chunk_keys(n: int) -> List[str]:
 
 
 def atomic_save(obj, path: str) -> None:
-    """``torch.save`` under a temporary name, then rename."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` durably (temporary name, fsync, rename; ``checkpoint_io.save_torch``)."""
+    checkpoint_io.save_torch(obj, os.path.dirname(path), os.path.basename(path))
 
 
 def write_tracker(root: str, iteration: int, release: bool) -> None:
-    path = os.path.join(root, TRACKER)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write("release" if release else str(iteration))
-    os.replace(tmp, path)
+    """Once every rank's file is written: the folder's manifest, then the tracker (``checkpoint_io``'s order)."""
+    checkpoint_io.write_folder_manifest(checkpoint_io.iteration_dir(root, iteration, release), iteration)
+    checkpoint_io.write_tracker(root, iteration, release)
 
 
 def spec_from_saved(args: Dict[str, Any]) -> ModelSpec:
@@ -154,6 +139,14 @@ def dims_from_args(args: Dict[str, Any], full: Optional[Dict[str, torch.Tensor]]
                           params_dtype=str(dtype).replace("torch.", ""), seq_length=args.get("seq_length"))
 
 
+def saved_vocab_size(args: Dict[str, Any], dims: ModelDims) -> Optional[int]:
+    """The ``vocab_size`` argument to save for ``dims``' real vocabulary: Megatron-LM's ``NullTokenizer`` counts its
+    ``--vocab-size`` without the end-of-document row it adds (the reverse of :func:`dims_from_args`'s rule)."""
+    if dims.vocab_size is None:
+        return None
+    return dims.vocab_size - 1 if args.get("tokenizer_type") == "NullTokenizer" else dims.vocab_size
+
+
 def dims_from_spec(spec: ModelSpec, padded_vocab_size: Optional[int] = None, vocab_size: Optional[int] = None,
                    make_vocab_size_divisible_by: int = 128, params_dtype: str = "float32",
                    seq_length: Optional[int] = None) -> ModelDims:
@@ -166,7 +159,9 @@ def dims_from_spec(spec: ModelSpec, padded_vocab_size: Optional[int] = None, voc
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         seq_length=spec.seq_length if seq_length is None else seq_length, layernorm_epsilon=spec.layernorm_epsilon,
         apply_layernorm_1p=spec.layernorm_zero_centered_gamma,
-        tied_embeddings=spec.share_embeddings_and_output_weights, params_dtype=params_dtype)
+        tied_embeddings=spec.share_embeddings_and_output_weights, params_dtype=params_dtype,
+        num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels,
+        gated_linear_unit=spec.gated_linear_unit)
 
 
 def spec_of_dims(dims: ModelDims, **options) -> ModelSpec:

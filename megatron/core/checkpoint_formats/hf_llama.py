@@ -1,7 +1,8 @@
-"""Hugging Face Llama-family configurations (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``) <-> ``ModelSpec``.
+"""Hugging Face Llama-family configurations (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``) <-> ``ModelSpec``,
+and the model folders ``tools/checkpoint/convert.py --loader hf`` reads and ``--saver hf`` writes.
 
-The mapping of the model description only; the weights' mapping (grouped QKV, the fused gate/up, the rotary
-layout) lives with the layers that hold them. Facts used:
+The weights' mapping (grouped QKV, the fused gate/up, the rotary layout) is ``hf_llama_weights.py``; this module
+maps the model description and reads/writes folders with it. Facts used:
 
 =============================  ==========================================================================
 ``config.json``                ModelSpec
@@ -29,8 +30,17 @@ Mistral sliding_window         refused unless it covers every position (no slidi
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import dataclasses
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
+from megatron.core.checkpoint_formats.common import dims_from_spec
+from megatron.core.checkpoint_formats.hf_gpt2 import read_hf_weights
+from megatron.core.checkpoint_formats.hf_llama_weights import from_hf_llama, to_hf_llama
+from megatron.core.checkpoint_formats.layout import ModelDims, pad_vocab_size
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 from megatron.core.model_spec import ModelSpec
 
@@ -160,3 +170,55 @@ def hf_llama_config(spec: ModelSpec, vocab_size: Optional[int] = None, model_typ
     else:
         out["use_sliding_window"] = False
     return out
+
+
+# ---- folders -----------------------------------------------------------------------------------------------------
+def hf_model_type(model_dir: str) -> Optional[str]:
+    """``model_type`` of a Hugging Face folder's ``config.json`` (None without one)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("model_type")
+
+
+def load_hf_llama(model_dir: str, make_vocab_size_divisible_by: int = 128
+                  ) -> Tuple[Dict[str, torch.Tensor], ModelDims, Dict[str, Any], ModelSpec]:
+    """``(full state dict, sizes, config dict, spec)`` of a Hugging Face Llama, Mistral or Qwen2 folder (no code is
+    run); the vocabulary is padded by Megatron's rule at TP 1, the padding rows zeros."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    spec = spec_from_hf_llama_config(config, where=os.path.join(model_dir, "config.json"))
+    vocab = spec.padded_vocab_size
+    spec = dataclasses.replace(spec, padded_vocab_size=pad_vocab_size(vocab, make_vocab_size_divisible_by, 1))
+    hf_sd = read_hf_weights(model_dir)
+    full = from_hf_llama(hf_sd, spec, spec.padded_vocab_size)
+    used = set(to_hf_llama(full, spec, vocab)) | {"lm_head.weight"}
+    unknown = sorted(k for k in hf_sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unknown:
+        architecture = ARCHITECTURES[config["model_type"]]
+        raise CheckpointFormatError(f"{model_dir}: unknown tensor {unknown[0]} (not a {architecture} weight)")
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    dims = dims_from_spec(spec, vocab_size=vocab, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                          params_dtype=dtype)
+    return full, dims, config, spec
+
+
+def save_hf_llama(out_dir: str, full: Dict[str, torch.Tensor], spec: ModelSpec, vocab_size: int,
+                  bos: Optional[int] = None, eos: Optional[int] = None, dtype: str = "float32",
+                  init_std: float = 0.02) -> List[str]:
+    """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads offline: ``config.json`` (the family of
+    :func:`llama_model_type`), ``model.safetensors`` (``vocab_size`` real rows) and ``generation_config.json``."""
+    from safetensors.torch import save_file
+
+    config = hf_llama_config(spec, vocab_size=vocab_size, bos=bos, eos=eos, dtype=dtype, init_std=init_std)
+    weights = to_hf_llama(full, spec, vocab_size)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.detach().to(torch_dtype).contiguous() for k, v in weights.items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
+    return sorted(os.listdir(out_dir))

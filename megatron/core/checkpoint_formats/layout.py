@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
+from megatron.core.tensor_parallel.sharding import TPSharding, fc1_sharding, qkv_sharding
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -39,6 +40,10 @@ class ModelDims:
     apply_layernorm_1p: bool = False
     tied_embeddings: bool = True
     params_dtype: str = "float32"
+    # what decides how the fused linears are split over tensor-parallel ranks (TransformerConfig's names)
+    num_query_groups: Optional[int] = None  # None: one per attention head
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    gated_linear_unit: bool = False
 
     def padded_for(self, tp_size: int) -> int:
         """Embedding rows at ``tp_size``: the real vocabulary padded by Megatron's rule (when the real size is
@@ -77,9 +82,28 @@ class ModelFamily:
     megatron_last_stage: List[str] = field(default_factory=list)
     # parameters that a model may lack as a group (all of a group present, or none), e.g. BERT's binary head
     optional_groups: List[Tuple[str, ...]] = field(default_factory=list)
+    # parameters (layer-relative or global) that the model's options decide one by one: biases, norms' biases,
+    # position embeddings, per-head query/key norms
+    optional_params: Tuple[str, ...] = ()
 
     def is_optional(self, name: str) -> bool:
-        return any(name in group for group in self.optional_groups)
+        return (any(name in group for group in self.optional_groups) or name in self.optional_params
+                or self.split_layer_name(name)[1] in self.optional_params)
+
+    def tp_sharding(self, name: str, dims: "ModelDims") -> Optional[TPSharding]:
+        """How ``name`` is split over tensor-parallel ranks (None: replicated), the declaration the layers make
+        (``tensor_parallel.TPSharding``): the SwiGLU's ``[gate; up]`` weight per rank, the grouped QKV in whole
+        query groups, everything else a contiguous slice along its partition dimension."""
+        dim = self.partition_dim(name)
+        if dim is None:
+            return None
+        rel = self.split_layer_name(name)[1]
+        if rel.startswith("mlp.linear_fc1."):
+            return fc1_sharding(dims.gated_linear_unit)
+        if rel.startswith("self_attention.linear_qkv."):
+            return qkv_sharding(dims.num_attention_heads, dims.num_query_groups or dims.num_attention_heads,
+                                dims.kv_channels or dims.hidden_size // dims.num_attention_heads)
+        return TPSharding(dim)
 
     def split_layer_name(self, name: str) -> Tuple[Optional[int], str]:
         """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``(3, "mlp.linear_fc1.weight")``; ``(None, name)``
@@ -127,7 +151,7 @@ class ModelFamily:
         expected = self.shapes(dims) if self.shapes is not None else {}
         for name, shape in expected.items():
             if name not in full:
-                if (name == self.tied_output and dims.tied_embeddings) or name in absent:
+                if (name == self.tied_output and dims.tied_embeddings) or name in absent or self.is_optional(name):
                     continue
                 raise CheckpointFormatError(f"{where}: {self.name} parameter {name} is missing")
             if tuple(full[name].shape) != tuple(shape):
@@ -137,16 +161,22 @@ class ModelFamily:
 
 def _gpt_shapes(d: ModelDims) -> dict:
     h, f = d.hidden_size, d.ffn_hidden_size
+    groups = d.num_query_groups or d.num_attention_heads
+    kv = d.kv_channels or h // d.num_attention_heads
+    q, qkv = d.num_attention_heads * kv, (d.num_attention_heads + 2 * groups) * kv  # grouped-query attention
+    fc1 = 2 * f if d.gated_linear_unit else f  # SwiGLU: [gate; up]
     out = {"embedding.word_embeddings.weight": (d.padded_vocab_size, h),
            "embedding.position_embeddings.weight": (d.max_position_embeddings, h),
            "decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,)}
     if not d.tied_embeddings:
         out["output_layer.weight"] = (d.padded_vocab_size, h)
     per_layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
-                 "self_attention.linear_qkv.weight": (3 * h, h), "self_attention.linear_qkv.bias": (3 * h,),
-                 "self_attention.linear_proj.weight": (h, h), "self_attention.linear_proj.bias": (h,),
+                 "self_attention.linear_qkv.weight": (qkv, h), "self_attention.linear_qkv.bias": (qkv,),
+                 "self_attention.linear_proj.weight": (h, q), "self_attention.linear_proj.bias": (h,),
+                 "self_attention.q_layernorm.weight": (kv,), "self_attention.q_layernorm.bias": (kv,),
+                 "self_attention.k_layernorm.weight": (kv,), "self_attention.k_layernorm.bias": (kv,),
                  "pre_mlp_layernorm.weight": (h,), "pre_mlp_layernorm.bias": (h,),
-                 "mlp.linear_fc1.weight": (f, h), "mlp.linear_fc1.bias": (f,),
+                 "mlp.linear_fc1.weight": (fc1, h), "mlp.linear_fc1.bias": (fc1,),
                  "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,)}
     for i in range(d.num_layers):
         out.update({f"decoder.layers.{i}.{k}": v for k, v in per_layer.items()})
@@ -155,9 +185,19 @@ def _gpt_shapes(d: ModelDims) -> dict:
 
 _GPT_LAYER = ["input_layernorm.weight", "input_layernorm.bias",
               "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+              "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+              "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
               "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
               "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
               "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
+
+# decided by the model's options: rotary/no position embedding, RMSNorm (no norm biases), no linear biases,
+# per-head query/key norms (LayerNorm: weight and bias; RMSNorm: weight)
+_GPT_OPTIONAL = ("embedding.position_embeddings.weight", "decoder.final_layernorm.bias",
+                 "input_layernorm.bias", "pre_mlp_layernorm.bias", "self_attention.linear_qkv.bias",
+                 "self_attention.linear_proj.bias", "mlp.linear_fc1.bias", "mlp.linear_fc2.bias",
+                 "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                 "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
 
 GPT = ModelFamily(
     name="GPT",
@@ -174,12 +214,15 @@ GPT = ModelFamily(
     megatron_layer=["input_layernorm.weight", "input_layernorm.bias",
                     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
                     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
                     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"],
     megatron_extra_state_layer=["self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                                 "mlp.linear_fc2"],
     megatron_extra_state_global=["output_layer"],
     shapes=_gpt_shapes,
+    optional_params=_GPT_OPTIONAL,
 )
 
 
@@ -212,6 +255,7 @@ BERT = ModelFamily(
     tp_dim=dict(GPT.tp_dim, **{"output_layer.bias": 0}),
     vocab_params=("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"),
     megatron_layer=GPT.megatron_layer,
+    optional_params=tuple(n for n in _GPT_OPTIONAL if "q_layernorm" in n or "k_layernorm" in n),
     megatron_extra_state_layer=GPT.megatron_extra_state_layer,
     megatron_extra_state_global=["output_layer"],
     shapes=_bert_shapes,
@@ -251,16 +295,12 @@ def families() -> List[str]:
 
 
 def check_supported_args(args: Dict[str, Any], where: str) -> None:
-    """Refuse, by flag, the architectures whose weights our models cannot hold."""
+    """Refuse, by flag, the architectures whose weights our models cannot hold (the options the model description
+    covers are checked by ``model_spec.spec_from_args``)."""
     refusals = [
-        ("position_embedding_type", lambda v: v not in (None, "learned_absolute"), "learned_absolute"),
-        ("normalization", lambda v: v not in (None, "LayerNorm"), "LayerNorm"),
-        ("swiglu", lambda v: bool(v), "off"),
-        ("add_bias_linear", lambda v: v is False, "on"),
-        ("group_query_attention", lambda v: bool(v), "off"),
         ("num_experts", lambda v: v not in (None, 0, 1), "unset"),
-        ("qk_layernorm", lambda v: bool(v), "off"),
         ("transformer_impl", lambda v: v not in (None, "local", "transformer_engine"), "local"),
+        ("multi_latent_attention", lambda v: bool(v), "off"),
     ]
     for key, bad, want in refusals:
         if key in args and bad(args[key]):

@@ -312,6 +312,8 @@ def write_torch_dist_checkpoint(root: str, full: Dict[str, torch.Tensor], dims: 
         if index is None:
             items[name] = value.detach().contiguous()
     for rel in family.layer:
+        if layers and family.layer_name(0, rel) not in full and family.is_optional(rel):
+            continue  # a parameter the model's options leave out (e.g. per-head query/key norms)
         items[family.layer_prefix + inverse.get(rel, rel)] = torch.stack(
             [full[family.layer_name(i, rel)].detach() for i in range(layers)])
     for module in family.megatron_extra_state_layer:

@@ -21,8 +21,9 @@ import torch
 
 from megatron.core.checkpoint_formats import optimizer_state as optim
 from megatron.core.checkpoint_formats.common import (FILE, SPEC_KEY, LoadedCheckpoint, atomic_save, chunk_keys,
-                                                     model_chunks, rank_dir, rank_files, read_tracker, spec_from_saved,
-                                                     to_family_order, write_tracker)
+                                                     model_chunks, rank_dir, rank_files, read_tracker,
+                                                     saved_vocab_size, spec_from_saved, to_family_order,
+                                                     write_tracker)
 from megatron.core.checkpoint_formats.distrib_optim import (distributed_optimizer_groups, hyper_from_distributed,
                                                              own_bucket_names, read_distrib_optim,
                                                              write_distrib_optim)
@@ -129,12 +130,14 @@ def megatron_model_state(chunk: Dict[str, torch.Tensor], family: ModelFamily) ->
     ordered = to_family_order(chunk, family, megatron=True)
     out: Dict[str, Any] = {}
     extra_layer = set(family.megatron_extra_state_layer)
-    for name, value in ordered.items():
+    names = list(ordered)
+    for i, (name, value) in enumerate(ordered.items()):
         out[name] = value
         index, rel = family.split_layer_name(name)
-        module = rel.rsplit(".", 1)[0]
-        if name.endswith(".bias") and (module in extra_layer if index is not None else False):
-            out[name[: -len("bias")] + "_extra_state"] = None
+        module = name.rsplit(".", 1)[0]
+        last_of_module = i + 1 == len(names) or names[i + 1].rsplit(".", 1)[0] != module  # bias, or weight alone
+        if index is not None and last_of_module and rel.rsplit(".", 1)[0] in extra_layer:
+            out[module + "._extra_state"] = None
     last = any(n in family.last_stage for n in ordered)
     if last:
         for module in family.megatron_extra_state_global:
@@ -188,6 +191,8 @@ def megatron_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int, consu
         params_dtype=_DTYPES.get(dims.params_dtype, torch.float32), bf16=dims.params_dtype == "bfloat16",
         fp16=dims.params_dtype == "float16", ckpt_format="torch", use_dist_ckpt=False,
         use_distributed_optimizer=distributed_optimizer)
+    if dims.vocab_size is not None:
+        plain["vocab_size"] = saved_vocab_size(plain, dims)
     plain.update(extra)
     return argparse.Namespace(**plain)
 

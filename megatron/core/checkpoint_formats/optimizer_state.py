@@ -200,7 +200,7 @@ def reshard_named(named_ranks: Dict[Tuple[int, int], Named], dims, tp: int, pp: 
                     raise CheckpointFormatError(f"optimizer state of {missing[0]} on rank {rank} has no {key}; "
                                                 "cannot reshard a partly initialised optimizer")
                 states[rank].append({n: e[key] for n, e in c.items()})
-        full = merge_tp_pp(states, family, tied=dims.tied_embeddings)
+        full = merge_tp_pp(states, family, tied=dims.tied_embeddings, dims=dims)
         per_key[key] = split_tp_pp(full, dims, tp, pp, family, vpp=vpp)
     out = {}
     for t in range(tp):

@@ -10,8 +10,8 @@ import torch
 
 from megatron.core.checkpoint_formats import optimizer_state as optim
 from megatron.core.checkpoint_formats.common import (FILE, SPEC_KEY, LoadedCheckpoint, atomic_save, chunk_keys,
-                                                     model_chunks, rank_dir, rank_files, read_tracker, spec_from_saved,
-                                                     write_tracker)
+                                                     model_chunks, rank_dir, rank_files, read_tracker,
+                                                     saved_vocab_size, spec_from_saved, write_tracker)
 from megatron.core.model_spec import spec_from_args, spec_to_args
 from megatron.core.checkpoint_formats.layout import ModelDims
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError, describe_load_error
@@ -88,7 +88,7 @@ def our_args(args: Dict[str, Any], dims: ModelDims, tp: int, pp: int) -> Dict[st
                untie_embeddings_and_output_weights=not dims.tied_embeddings, params_dtype=dims.params_dtype,
                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if dims.vocab_size is not None:
-        out["vocab_size"] = dims.vocab_size
+        out["vocab_size"] = saved_vocab_size(out, dims)
     return out
 
 

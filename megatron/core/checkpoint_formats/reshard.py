@@ -6,6 +6,11 @@ layers globally, holds each parameter once (the tied copy of the word embeddings
 keeps the vocabulary rows as stored. Splitting pads or trims the vocabulary rows to the target TP size's padding;
 rows that exist on both sides are kept, new padding rows are zeros.
 
+Each parameter is cut and joined by its tensor-parallel sharding (``ModelFamily.tp_sharding``, the declaration the
+layers make: ``tensor_parallel.TPSharding``), so a SwiGLU's per-rank ``[gate; up]`` and the grouped QKV's whole
+query groups survive any change of TP size. Merging needs ``dims`` for those two (without it every split parameter
+is taken as a contiguous slice, right for the GPT-2 and BERT layouts).
+
 The same functions reshard optimizer state: every per-parameter tensor (fp32 main copy, Adam moments) is sharded
 like the parameter it belongs to.
 """
@@ -20,6 +25,7 @@ import torch
 from megatron.core.checkpoint_formats.layout import GPT, ModelDims, ModelFamily
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 from megatron.core.pipeline_parallel.partition import layers_for_stage
+from megatron.core.tensor_parallel.sharding import TPSharding
 
 RankStates = Dict[Tuple[int, int], List[Dict[str, torch.Tensor]]]
 
@@ -42,8 +48,17 @@ def _layer_indices(sd: Dict[str, torch.Tensor], family: ModelFamily) -> List[int
     return sorted({i for i in (family.split_layer_name(n)[0] for n in sd) if i is not None})
 
 
-def merge_tp_pp(ranks: RankStates, family: ModelFamily = GPT, tied: bool = True) -> "OrderedDict[str, torch.Tensor]":
-    """One full state dict from every rank's chunks (layers renumbered globally, TP shards concatenated)."""
+def _sharding(family: ModelFamily, name: str, dims: Optional[ModelDims]) -> Optional[TPSharding]:
+    if dims is None:
+        dim = family.partition_dim(name)
+        return None if dim is None else TPSharding(dim)
+    return family.tp_sharding(name, dims)
+
+
+def merge_tp_pp(ranks: RankStates, family: ModelFamily = GPT, tied: bool = True,
+                dims: Optional[ModelDims] = None) -> "OrderedDict[str, torch.Tensor]":
+    """One full state dict from every rank's chunks (layers renumbered globally, TP shards joined by each
+    parameter's sharding; ``dims`` decides the gated MLP's and grouped QKV's, see the module docstring)."""
     tp, pp, vpp = layout_of(ranks)
     full: Dict[str, torch.Tensor] = {}
     offset = 0
@@ -72,10 +87,10 @@ def merge_tp_pp(ranks: RankStates, family: ModelFamily = GPT, tied: bool = True)
                     raise CheckpointFormatError(f"{name} on the first pipeline stage of a tied-embedding model")
                 index, rel = family.split_layer_name(name)
                 gname = family.layer_name(index + offset, rel) if index is not None else name
-                dim = family.partition_dim(name)
+                sharding = _sharding(family, name, dims)
                 values = [s[name] for s in shards]
                 # partitioned: [n/tp, ...] x tp -> [n, ...] along the partition dim; replicated: rank 0's copy
-                full[gname] = values[0] if dim is None or tp == 1 else torch.cat(values, dim=dim)
+                full[gname] = values[0] if sharding is None else sharding.merge(values)
                 if not last and name in family.last_stage:
                     raise CheckpointFormatError(f"{name} found on a pipeline stage that is not the last")
             offset += len(local)
@@ -139,8 +154,11 @@ def split_tp_pp(full: Dict[str, torch.Tensor], dims: ModelDims, tp: int, pp: int
                 value = full[gname]
                 if family.is_vocab(local):
                     value = resize_vocab_rows(value, rows)
-                dim = family.partition_dim(local)
-                parts = [value] * tp if dim is None else list(torch.chunk(value, tp, dim=dim))  # [n/tp, ...] each
+                sharding = family.tp_sharding(local, dims)
+                try:  # [n/tp, ...] each
+                    parts = [value] * tp if sharding is None else sharding.split(value, tp, gname)
+                except ValueError as exc:
+                    raise CheckpointFormatError(f"--target-tensor-parallel-size {tp}: {exc}") from exc
                 for t in range(tp):
                     pieces[t][local] = parts[t].clone()
             for t in range(tp):
@@ -155,5 +173,5 @@ def reshard(state_dicts: RankStates, from_tp: int, from_pp: int, to_tp: int, to_
     if (tp, pp) != (from_tp, from_pp):
         raise CheckpointFormatError(f"the state dicts are a TP={tp} x PP={pp} layout, not TP={from_tp} x "
                                     f"PP={from_pp}")
-    full = merge_tp_pp(state_dicts, family, tied=config.tied_embeddings)
+    full = merge_tp_pp(state_dicts, family, tied=config.tied_embeddings, dims=config)
     return split_tp_pp(full, config, to_tp, to_pp, family, vpp=to_vpp)

@@ -19,8 +19,10 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from megatron.core.checkpoint_io import CheckpointIOError
 
-class CheckpointFormatError(ValueError):
+
+class CheckpointFormatError(CheckpointIOError, ValueError):
     """A checkpoint that cannot be read or converted; the message names the file or flag and the reason."""
 
 

@@ -42,7 +42,15 @@ class IndexCache:
         paths = self.paths()
         if not paths or not all(os.path.isfile(p) for p in paths.values()):
             return None
-        return {k: np.load(p, mmap_mode="r") for k, p in paths.items()}
+        arrays = {}
+        for key, path in paths.items():
+            try:
+                arrays[key] = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                why = (str(exc).splitlines() or [type(exc).__name__])[0]
+                raise ValueError(f"cached index file {path} is damaged ({why}); delete it and it is built "
+                                 "again") from exc
+        return arrays
 
     def save(self, arrays: Dict[str, np.ndarray]) -> None:
         """Write every array (temporary name, then rename) and the description; no-op without a cache folder."""

@@ -92,6 +92,10 @@ class IndexReader:
         self.sequence_pointers = np.frombuffer(self._mmap, dtype=np.int64, count=s, offset=off)
         off += s * 8
         self.document_indices = np.frombuffer(self._mmap, dtype=np.int64, count=d, offset=off)
+        docs = self.document_indices
+        if len(docs) and (docs[0] != 0 or docs[-1] != s or np.any(np.diff(docs) < 0)):
+            raise ValueError(f"{path}: corrupt index: the document boundaries do not rise from 0 to the {s} "
+                             "sequences")
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -114,11 +118,22 @@ class IndexedDataset:
         self.index = IndexReader(idx_path(path_prefix))
         self.dtype = self.index.dtype
         nbytes = os.path.getsize(bin_path(path_prefix))
-        if len(self.index):
-            need = int(self.index.sequence_pointers[-1]) + int(self.index.sequence_lengths[-1]) * self.dtype.itemsize
-            if need > nbytes:
-                raise ValueError(f"{bin_path(path_prefix)}: {nbytes} bytes, but the index needs {need}")
+        self._check_sequences(nbytes)
         self._bin = np.memmap(bin_path(path_prefix), mode="r", dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
+
+    def _check_sequences(self, nbytes: int) -> None:
+        """Every sequence of the index lies inside the ``.bin`` (in any order): a damaged ``.idx`` body or a
+        truncated ``.bin`` names the file and the first sequence out of place. One vectorised pass at open."""
+        lengths, pointers = self.index.sequence_lengths, self.index.sequence_pointers
+        ends = pointers + lengths.astype(np.int64) * self.dtype.itemsize
+        bad = np.flatnonzero((lengths < 0) | (pointers < 0) | (ends > nbytes))
+        if not bad.size:
+            return
+        i = int(bad[0])
+        if lengths[i] >= 0 and pointers[i] >= 0 and ends.max() == ends[-1] and np.all(np.diff(ends) >= 0):
+            raise ValueError(f"{bin_path(self.path_prefix)}: {nbytes} bytes, but the index needs {int(ends[-1])}")
+        raise ValueError(f"{self.index.path}: corrupt index: sequence {i} (length {int(lengths[i])}, at byte "
+                         f"{int(pointers[i])}) does not lie inside the {nbytes} bytes of {bin_path(self.path_prefix)}")
 
     @property
     def sequence_lengths(self) -> np.ndarray:

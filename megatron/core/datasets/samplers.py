@@ -8,10 +8,14 @@ continues exactly where the interrupted run stopped. A last incomplete global ba
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Dict, Iterator, List, Sequence
 
 import numpy as np
 import torch
+
+from megatron.core.process_tree import die_with_parent, ignore_stop_signals
 
 
 class MegatronPretrainingSampler:
@@ -64,12 +68,22 @@ def collate_text(items: Sequence[Dict[str, np.ndarray]]) -> Dict[str, torch.Tens
     return out
 
 
+def init_worker(trainer_pid: int, worker_id: int) -> None:
+    """A DataLoader worker ignores the signals that stop a run (a scheduler signals the trainer's whole process
+    group: the trainer finishes its iteration, saves and shuts the loader down itself) and dies with the trainer
+    (SIGKILL when the trainer ends, so a killed trainer leaves no worker holding its files or its run lock)."""
+    ignore_stop_signals()
+    die_with_parent(trainer_pid)
+
+
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
                                   num_workers: int = 0) -> torch.utils.data.DataLoader:
-    """A ``DataLoader`` over this rank's micro-batches of ``dataset``, resuming at ``consumed_samples``."""
+    """A ``DataLoader`` over this rank's micro-batches of ``dataset``, resuming at ``consumed_samples``; its
+    workers (``num_workers`` > 0) are set up by ``init_worker``."""
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                          data_parallel_rank, data_parallel_size)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        collate_fn=collate_text, pin_memory=False,
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0,
+                                       worker_init_fn=functools.partial(init_worker, os.getpid()))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.start_token import with_start_token
 
 
 class RequestError(ValueError):
@@ -101,14 +102,21 @@ def _prompt_list(value: Any, key: str, limits: Limits) -> List[str]:
 def _tokenize(texts: List[str], tokenizer, add_bos: bool, max_new: int, limits: Limits, key: str):
     prompts = []
     for i, text in enumerate(texts):
-        ids = ([tokenizer.eod] if add_bos else []) + tokenizer.tokenize(text)
+        ids = tokenizer.tokenize(text)
+        if add_bos:  # the beginning-of-text token, or the end-of-document one for tokenizers without it
+            ids = with_start_token(tokenizer, ids)
         if not ids:
-            raise RequestError(f"{key}[{i}] is empty (give text, or add_BOS to start from the end-of-document token)")
-        if len(ids) + max_new > limits.max_positions:
-            raise RequestError(f"{key}[{i}] has {len(ids)} tokens; with {max_new} tokens to generate that exceeds "
-                               f"the model's {limits.max_positions} positions")
+            raise RequestError(f"{key}[{i}] is empty (give text, or add_BOS to start from the beginning-of-text "
+                               "token)")
+        _check_length(len(ids), max_new, limits, f"{key}[{i}]")
         prompts.append(ids)
     return prompts
+
+
+def _check_length(n: int, max_new: int, limits: Limits, name: str) -> None:
+    if n + max_new > limits.max_positions:
+        raise RequestError(f"{name} has {n} tokens; with {max_new} tokens to generate that exceeds the model's "
+                           f"{limits.max_positions} positions")
 
 
 _MEGATRON_FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "top_p_decay",
@@ -162,14 +170,37 @@ def _stop_strings(value: Any, key: str, limits: Limits) -> tuple:
     return tuple(value)
 
 
+def _completion_prompts(value: Any, tokenizer, limits: Limits) -> tuple:
+    """OpenAI's ``prompt``: a string, a list of strings, a list of token ids, or a list of lists of token ids.
+    Returns ``(texts, token-id prompts or None)``; token-id prompts are kept as given and their text is decoded."""
+    def is_ids(v):
+        return isinstance(v, list) and all(_is_int(t) for t in v)
+
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        value = [value]
+    if not (isinstance(value, list) and value and all(is_ids(p) for p in value)):
+        return _prompt_list(value, "prompt", limits), None
+    if len(value) > limits.max_prompts:
+        raise RequestError(f"too many prompts: {len(value)} (at most {limits.max_prompts})")
+    vocab = tokenizer.vocab_size
+    for i, ids in enumerate(value):
+        if not ids:
+            raise RequestError(f"prompt[{i}] is an empty list of token ids")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt[{i}] holds token id {bad}, outside the vocabulary [0, {vocab})")
+    return [tokenizer.detokenize(ids) for ids in value], value
+
+
 _OPENAI_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs", "echo",
                   "seed", "stream", "user", "presence_penalty", "frequency_penalty", "best_of"}
 
 
 def parse_completions_request(body: Any, tokenizer, limits: Limits) -> Job:
-    """An OpenAI ``/v1/completions`` body (``prompt``, ``max_tokens`` default 16, ``temperature`` default 1,
-    ``top_p``, ``top_k``, ``stop``, ``logprobs`` 0-5, ``echo``, ``seed``); ``n``/``best_of`` 1, no streaming,
-    no penalties."""
+    """An OpenAI ``/v1/completions`` body (``prompt`` as text or token ids, ``max_tokens`` default 16,
+    ``temperature`` default 1, ``top_p``, ``top_k``, ``stop``, ``logprobs`` 0-5, ``echo``, ``seed``);
+    ``n``/``best_of`` 1, no streaming, no penalties. With ``echo`` and ``logprobs`` the prompt's positions get their
+    log-probs and most likely tokens too."""
     _check_fields(body, _OPENAI_FIELDS, {})
     if "prompt" not in body:
         raise RequestError("prompt is required")
@@ -177,7 +208,7 @@ def parse_completions_request(body: Any, tokenizer, limits: Limits) -> Job:
         raise RequestError(f"model must be a string, got {type(body['model']).__name__}")
     if "user" in body and not isinstance(body["user"], str):
         raise RequestError(f"user must be a string, got {type(body['user']).__name__}")
-    texts = _prompt_list(body["prompt"], "prompt", limits)
+    texts, ids = _completion_prompts(body["prompt"], tokenizer, limits)
     max_new = _int(body, "max_tokens", 16, 0, limits.max_positions)
     temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
@@ -193,26 +224,33 @@ def parse_completions_request(body: Any, tokenizer, limits: Limits) -> Job:
         if _float(body, key, 0.0, -2.0, 2.0) != 0.0:
             raise RequestError(f"{key} is not supported (only 0)")
     n_logprobs = _int(body, "logprobs", None, 0, 5)
+    echo = _bool(body, "echo", False)
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=top_k,
                             top_p=0.0 if top_p >= 1.0 else top_p, seed=_int(body, "seed", None, 0, 2**63 - 1),
                             stop_strings=_stop_strings(body.get("stop"), "stop", limits),
-                            logprobs=n_logprobs is not None, top_logprobs=n_logprobs or 0)
+                            logprobs=n_logprobs is not None, top_logprobs=n_logprobs or 0,
+                            prompt_top_logprobs=echo and bool(n_logprobs))
     if temperature > 0.0 and top_p == 0.0:
         raise RequestError("top_p must be > 0")
-    echo = _bool(body, "echo", False)
     if max_new == 0 and not echo:
         raise RequestError("max_tokens 0 needs echo true (scoring the prompt)")
-    return Job(_tokenize(texts, tokenizer, False, max_new, limits, "prompt"), texts, params, echo=echo)
+    if ids is None:
+        ids = _tokenize(texts, tokenizer, False, max_new, limits, "prompt")
+    else:
+        for i, prompt in enumerate(ids):
+            _check_length(len(prompt), max_new, limits, f"prompt[{i}]")
+    return Job(ids, texts, params, echo=echo)
 
 
 def megatron_response(job: Job, outputs, tokenizer) -> dict:
-    """``{"text": [prompt + continuation], "segments": [[token strings]], "logprobs": [[...]]}``."""
+    """``{"text": [prompt + continuation], "tokens": [[prompt and generated ids]], "segments": [[token strings]],
+    "logprobs": [[...]]}``, as Megatron-LM's server answers."""
     texts, segments, logprobs = [], [], []
     for prompt, out in zip(job.texts, outputs):
         texts.append(prompt + out.text)
         segments.append([tokenizer.detokenize([t]) for t in out.tokens])
         logprobs.append(out.logprobs)
-    response = {"text": texts, "segments": segments}
+    response = {"text": texts, "tokens": [out.tokens for out in outputs], "segments": segments}
     if job.params.logprobs:
         response["logprobs"] = logprobs
     return response
@@ -226,12 +264,12 @@ def completions_response(job: Job, outputs, tokenizer, model_name: str, request_
         choice = {"index": i, "text": (prompt if job.echo else "") + out.text, "logprobs": None,
                   "finish_reason": "length" if out.finish_reason == "length" else "stop"}
         if job.params.logprobs:
-            ids = out.tokens if job.echo else out.generated
+            shown = out.tokens if job.echo else out.generated
             lps = ([None] + out.logprobs) if job.echo else out.logprobs[out.prompt_length - 1:]
             tops = out.top_logprobs or [[] for _ in out.generated]
-            if job.echo:
-                tops = [None] * out.prompt_length + tops
-            strings = [tokenizer.detokenize([t]) for t in ids]
+            if job.echo:  # the first token has no log-prob, as in OpenAI's answers
+                tops = [None] + (out.prompt_top_logprobs or [[] for _ in range(out.prompt_length - 1)]) + tops
+            strings = [tokenizer.detokenize([t]) for t in shown]
             offsets, pos = [], len(prompt) if not job.echo else 0
             for s in strings:
                 offsets.append(pos)

@@ -22,6 +22,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core import checkpoint_io as cio
 from megatron.core.checkpoint_formats import (GPT, SPEC_KEY, CheckpointFormatError, LoadedCheckpoint,
                                               dims_from_args, load_megatron_file, read_megatron_checkpoint,
                                               read_our_checkpoint, spec_from_saved, state_for_rank)
@@ -33,12 +34,12 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.partition import layers_for_stage
 from megatron.core.transformer.config import TransformerConfig
 
-TRACKER = "latest_checkpointed_iteration.txt"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint that cannot be used for inference; the message names the file and the reason."""
+# A checkpoint that cannot be used for inference; the message names the file and the reason. The checkpoint
+# folder's one error type, so the tracker's and the folder's errors are caught with the loader's own.
+CheckpointLoadError = cio.CheckpointIOError
 
 
 @dataclass
@@ -51,20 +52,12 @@ class LoadedModel:
 
 def resolve_iteration_dir(load: str, iteration: Optional[int] = None) -> tuple:
     """``(iteration, directory)`` of the checkpoint to read: the tracker's unless ``iteration`` is given."""
-    if not os.path.isdir(load):
-        raise CheckpointLoadError(f"--load {load}: no such directory")
     if iteration is None:
-        tracker = os.path.join(load, TRACKER)
-        if not os.path.isfile(tracker):
-            raise CheckpointLoadError(f"--load {load}: no {TRACKER} (not a checkpoint directory?)")
-        text = open(tracker).read().strip()
-        if text == "release":
-            return 0, os.path.join(load, "release")
-        try:
-            iteration = int(text)
-        except ValueError:
-            raise CheckpointLoadError(f"{tracker}: expected an iteration number, found {text!r}") from None
-    path = os.path.join(load, f"iter_{iteration:07d}")
+        iteration, path = cio.read_tracker(load)
+        if iteration == 0:
+            return 0, path
+    else:
+        path = cio.iteration_dir(load, iteration)
     if not os.path.isdir(path):
         raise CheckpointLoadError(f"checkpoint directory {path} does not exist")
     return iteration, path
@@ -92,7 +85,6 @@ def config_from_args(args: dict, dtype: Optional[torch.dtype] = None,
     try:
         config = TransformerConfig.from_spec(spec, attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
                                              attention_backend=attention_backend, gradient_accumulation_fusion=False)
-        config.check_layer_support()
         return config
     except ValueError as exc:
         raise CheckpointLoadError(f"the stored model: {exc}") from None
@@ -203,12 +195,7 @@ def save_gpt_checkpoint(root: str, iteration: int, chunks: List[GPTModel], args:
         state["model"] = chunks[0].state_dict()
     else:
         state.update({f"model{i}": c.state_dict() for i, c in enumerate(chunks)})
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    cio.save_torch(state, os.path.dirname(path), os.path.basename(path))
     if tp_rank == 0 and pp_rank == 0:
-        tracker = os.path.join(root, TRACKER)
-        with open(f"{tracker}.tmp.{os.getpid()}", "w") as f:
-            f.write(str(iteration))
-        os.replace(f"{tracker}.tmp.{os.getpid()}", tracker)
+        cio.write_tracker(root, iteration)
     return path

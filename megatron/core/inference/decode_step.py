@@ -6,7 +6,7 @@ engine's ``static_decode=False``) the step attends over the positions filled so 
 shapes and the host launches every kernel of every layer again: at small batches decoding is bound by the host.
 Here the step's inputs live in fixed device buffers (the token ids ``[b, 1]`` and the position ``[1]``), the key
 and value are written at the position held in that device tensor, and attention covers the whole preallocated
-cache with the positions after the current one masked out (``kv_cache.CachedCoreAttention._static_step``). The
+cache with the positions after the current one masked out (``kv_cache.LayerKV.attend``). The
 same kernels with the same arguments run at every position, so on CUDA the step is captured once in a
 ``torch.cuda.CUDAGraph`` and replayed: one launch per step instead of one per kernel.
 
@@ -19,11 +19,11 @@ engine (or ``InferenceEngine.drop_decode_steps()``).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
 
-from megatron.core.inference.kv_cache import KVCache
+from megatron.core.inference.kv_cache import AttentionShape, KVCache
 
 CAPACITY_MULTIPLE = 64
 WARMUP_RUNS = 2  # eager runs on the capture stream before capturing (Triton compiles, cuBLAS sets up)
@@ -39,17 +39,17 @@ class StaticDecodeStep:
     """One decoding position for a batch of ``batch`` sequences of up to ``capacity`` positions.
 
     ``forward(tokens [b, 1], positions [b, 1])`` runs the model (this rank's stage) with ``cache`` in static mode
-    and returns the float32 logits ``[b, 1, V_padded]`` (``None`` off the last pipeline stage). ``shape`` is
-    ``(num_layers, heads on this rank, head_dim)`` of the stage's layers.
+    and returns the float32 logits ``[b, 1, V_padded]`` (``None`` off the last pipeline stage). ``shape``: the key/value
+    heads of the stage's layers (``kv_cache.attention_shape``).
     """
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]], cache: KVCache,
-                 batch: int, capacity: int, shape: Tuple[int, int, int], dtype: torch.dtype,
+                 batch: int, capacity: int, shape: AttentionShape, dtype: torch.dtype,
                  device: torch.device, use_graph: bool):
         if use_graph and device.type != "cuda":
             raise ValueError(f"a CUDA graph needs the model on a CUDA device, not {device}")
-        n_layers, heads, head_dim = shape
-        buffer = (batch, heads, capacity, head_dim)
+        n_layers, groups, head_dim = shape
+        buffer = (batch, groups, capacity, head_dim)
         # zeros, not empty: masked positions get no weight, but a NaN in an unwritten value would still spread
         self.keys: List[torch.Tensor] = [torch.zeros(buffer, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values: List[torch.Tensor] = [torch.zeros(buffer, dtype=dtype, device=device)

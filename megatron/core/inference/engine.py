@@ -3,9 +3,11 @@ parallelism.
 
 Every rank of the model-parallel group runs the same calls with the same arguments. Under tensor parallelism the
 vocab-parallel logits are all-gathered so each rank sees the full vocabulary, and the chosen tokens are broadcast
-from the group's first rank. Under pipeline parallelism each stage receives the previous stage's activations,
-runs its layers (with their own KV cache) and sends its output on; the last stage samples, and the chosen tokens
-(and at the end the log-probs) are broadcast from it to every stage, so that all ranks continue identically.
+from the group's first rank. Under pipeline parallelism every forward runs through the trainer's pipeline
+schedule (``pipeline_forward``): each stage receives the previous stage's activations, runs its layers (their keys
+and values in this rank's KV cache, ``kv_cache.KVCache``, the inference context of the forward) and sends its
+output on; the last stage samples, and the chosen tokens (and at the end the log-probs) are broadcast from it to
+every stage, so that all ranks continue identically.
 
 The prompt pass runs the model once over the shortest prompt. Each later position is one static decoding step
 (``decode_step.py``): the same shapes at every position, replayed from a CUDA graph on CUDA at pipeline size 1
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.collectives import backend_of
 from megatron.core.inference.decode_step import StaticDecodeStep, static_capacity
-from megatron.core.inference.kv_cache import attention_shape, cache_device, cache_dtype, install_kv_cache
+from megatron.core.inference.kv_cache import KVCache, attention_shape, cache_device, cache_dtype
+from megatron.core.inference.pipeline_forward import pipeline_forward
 from megatron.core.inference.sampling import SamplingParams, sample_next
 from megatron.core.parallel_state import ParallelState
 
@@ -41,6 +44,8 @@ class GenerationOutput:
     text: Optional[str] = None  # the generated text (tokenizer given), cut before a matched stop string
     # per generated token: the top_logprobs most likely (token id, log-prob) pairs at its position
     top_logprobs: Optional[List[List[tuple]]] = None
+    # the same per prompt token after the first (``prompt_top_logprobs``)
+    prompt_top_logprobs: Optional[List[List[tuple]]] = None
 
     @property
     def generated(self) -> List[int]:
@@ -73,7 +78,7 @@ class InferenceEngine:
         self.eod = eod if eod is not None else (tokenizer.eod if tokenizer is not None else None)
         self.max_length = model.config.max_position_embeddings
         self.device = cache_device(model)
-        self.cache = install_kv_cache(model)
+        self.cache = KVCache()  # the inference context of this engine's cached forwards
         self.static_decode = bool(static_decode)
         self.use_cuda_graph = self._graph_choice(use_cuda_graph)
         if max_decode_steps < 1:
@@ -119,30 +124,22 @@ class InferenceEngine:
     # ---- forward passes ------------------------------------------------------------------------------
     @torch.no_grad()
     def stage_forward(self, tokens: torch.Tensor, start: int = 0, labels: Optional[torch.Tensor] = None,
-                      positions: Optional[torch.Tensor] = None):
-        """Run this rank's stage on ``tokens [b, s]`` at positions ``start ..`` (or the device tensor
-        ``positions [b, s]``): the last stage returns the model's output (vocab-parallel logits ``[b, s, V/tp]``,
-        or per-token losses ``[b, s]`` given ``labels``), the other stages send their activations on and return
-        ``None``."""
+                      positions: Optional[torch.Tensor] = None, cached: bool = False):
+        """Run ``tokens [b, s]`` at positions ``start ..`` (or the device tensor ``positions [b, s]``) through the
+        pipeline (``pipeline_forward``): the last stage returns the model's output (vocab-parallel logits
+        ``[b, s, V/tp]``, or per-token losses ``[b, s]`` given ``labels``), the other stages ``None``.
+        ``cached``: the tokens follow those in the engine's KV cache, and their keys and values join it."""
         b, s = tokens.shape
         if positions is None:
             positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
-        if not self.first_stage:
-            hidden = torch.empty(s, b, self.model.config.hidden_size, dtype=cache_dtype(self.model),
-                                 device=self.device)  # [s, b, h]
-            dist.recv(hidden, src=self.pstate.prev_pp_rank)
-            self.model.set_input_tensor(hidden)
-        out = self.model(tokens, positions, labels=labels)
-        if not self.last_stage:
-            dist.send(out.contiguous(), dst=self.pstate.next_pp_rank)  # [s, b, h]
-            return None
-        return out
+        return pipeline_forward([self.model], self.pstate, tokens, positions, labels=labels,
+                                inference_context=self.cache if cached else None)
 
     def _logits(self, tokens: torch.Tensor, start: int, last_only: bool = False,
-                positions: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                positions: Optional[torch.Tensor] = None, cached: bool = True) -> Optional[torch.Tensor]:
         """Full-vocabulary float32 logits ``[b, s, V_padded]`` (``[b, 1, V_padded]`` for the last position only)
         on the last stage, ``None`` elsewhere."""
-        logits = self.stage_forward(tokens, start, positions=positions)  # [b, s, V/tp]
+        logits = self.stage_forward(tokens, start, positions=positions, cached=cached)  # [b, s, V/tp]
         if logits is None:
             return None
         if last_only:
@@ -153,8 +150,7 @@ class InferenceEngine:
     def forward_logits(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits of a whole batch ``[b, s]`` recomputed without the cache (the reference path); under pipeline
         parallelism only the last stage gets them (``None`` elsewhere)."""
-        self.cache.release()
-        return self._logits(tokens.to(self.device), 0)
+        return self._logits(tokens.to(self.device), 0, cached=False)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast ``t`` from the last pipeline stage to every stage (in place; identity without PP)."""
@@ -212,6 +208,7 @@ class InferenceEngine:
         done = [max_new == 0] * b
         text_cut: List[Optional[int]] = [None] * b
         tops: List[List[list]] = [[] for _ in range(b)]
+        prompt_tops: List[List[list]] = [[] for _ in range(b)]
         generated: List[List[int]] = [[] for _ in range(b)]  # host copy of each sequence's generated tokens
         # the device copy of ``done`` (remade when a sequence finishes), None while no sequence is done
         done_t = torch.tensor(done, device=self.device) if any(done) else None
@@ -220,8 +217,7 @@ class InferenceEngine:
             step = self._decode_step(b, total)
             step.bind()
         else:
-            n_layers, heads, head_dim = attention_shape(self.model)
-            self.cache.allocate(n_layers, b, heads, total, head_dim, cache_dtype(self.model), self.device)
+            self.cache.allocate(attention_shape(self.model), b, total, cache_dtype(self.model), self.device)
         try:
             prev, cur = 0, min_len
             while True:
@@ -236,6 +232,8 @@ class InferenceEngine:
                     lp = F.log_softmax(logits[:, :-1, :self.vocab_size].float(), dim=-1)  # [b, cur - prev - 1, V]
                     target = tokens[:, prev + 1:cur].unsqueeze(-1)  # [b, cur - prev - 1, 1]
                     logprobs[:, prev + 1:cur] = lp.gather(-1, target).squeeze(-1)
+                    if params.prompt_top_logprobs:  # positions prev + 1 .. cur - 1 lie in every prompt
+                        self._append_tops(lp, params, prompt_tops, [True] * b)
                 if cur >= total or (all(done) and (logprobs is None or cur >= max_prompt)):
                     break
                 if logits is not None:
@@ -252,7 +250,8 @@ class InferenceEngine:
                 tokens[:, cur] = chosen
                 if logits is not None:
                     self._record_logprobs(logits[:, -1], chosen, cur, params, logprobs, tops,
-                                          [not done[i] and cur >= lengths[i] for i in range(b)])
+                                          [not done[i] and cur >= lengths[i] for i in range(b)],
+                                          prompt_tops, [cur < n for n in lengths])
                 step_tokens = chosen.tolist()  # one device-to-host copy per step
                 finished_now = False
                 for i in range(b):
@@ -273,9 +272,9 @@ class InferenceEngine:
         if logprobs is not None:
             logprobs = self.from_last_stage(logprobs)
         if params.top_logprobs and self.pstate.pp_size > 1:
-            box = [tops]
+            box = [(tops, prompt_tops)]
             dist.broadcast_object_list(box, src=self.pstate.pp_ranks[-1], group=self.pstate.pp_group)
-            tops = box[0]
+            tops, prompt_tops = box[0]
         outputs = []
         tok_list = tokens.tolist()
         lp_list = logprobs.tolist() if logprobs is not None else None
@@ -286,6 +285,8 @@ class InferenceEngine:
                 out.logprobs = lp_list[i][1:stop_at[i]]
             if params.top_logprobs:
                 out.top_logprobs = tops[i]
+            if params.prompt_top_logprobs:
+                out.prompt_top_logprobs = prompt_tops[i]
             if self.tokenizer is not None:
                 text = self._detok(out.generated)
                 out.text = text if text_cut[i] is None else text[:text_cut[i]]
@@ -293,20 +294,30 @@ class InferenceEngine:
         return outputs
 
     def _record_logprobs(self, last: torch.Tensor, chosen: torch.Tensor, cur: int, params: SamplingParams,
-                         logprobs: Optional[torch.Tensor], tops: List[list], generating: List[bool]) -> None:
-        """Log-prob of each chosen token at position ``cur`` (from the logits ``last [b, V]`` before it) and, for
-        the sequences generating there, the ``top_logprobs`` most likely tokens."""
+                         logprobs: Optional[torch.Tensor], tops: List[list], generating: List[bool],
+                         prompt_tops: List[list], prompting: List[bool]) -> None:
+        """Log-prob of each chosen token at position ``cur`` (from the logits ``last [b, V]`` before it) and the
+        ``top_logprobs`` most likely tokens: into ``tops`` for the sequences generating there, into
+        ``prompt_tops`` (with ``prompt_top_logprobs``) for those still in their prompt."""
         if logprobs is None and not params.top_logprobs:
             return
         lp = F.log_softmax(last[:, :self.vocab_size].float(), dim=-1)  # [b, V] over the real vocabulary
         if logprobs is not None:
             logprobs[:, cur] = lp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         if params.top_logprobs:
-            k = min(params.top_logprobs, self.vocab_size)
-            top_vals, top_ids = torch.topk(lp[:, :self.vocab_size], k, dim=-1)  # [b, k]
-            for i, active in enumerate(generating):
-                if active:
-                    tops[i].append(list(zip(top_ids[i].tolist(), top_vals[i].tolist())))
+            self._append_tops(lp.unsqueeze(1), params, tops, generating)
+        if params.prompt_top_logprobs:
+            self._append_tops(lp.unsqueeze(1), params, prompt_tops, prompting)
+
+    def _append_tops(self, lp: torch.Tensor, params: SamplingParams, into: List[list], active: List[bool]) -> None:
+        """For each active sequence ``i``, append the ``top_logprobs`` most likely (id, log-prob) pairs of every
+        position of ``lp [b, n, V]`` (log-probs over the real vocabulary) to ``into[i]``."""
+        k = min(params.top_logprobs, self.vocab_size)
+        top_vals, top_ids = torch.topk(lp[..., :self.vocab_size], k, dim=-1)  # [b, n, k]
+        ids, vals = top_ids.tolist(), top_vals.tolist()
+        for i, on in enumerate(active):
+            if on:
+                into[i].extend(list(zip(pos_ids, pos_vals)) for pos_ids, pos_vals in zip(ids[i], vals[i]))
 
     def _stop_reason(self, generated: List[int], params: SamplingParams):
         """``(reason, text cut)`` when the generated tokens end the sequence, else ``(None, None)``."""

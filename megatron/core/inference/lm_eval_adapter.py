@@ -33,6 +33,7 @@ from megatron.core.inference.checkpoint import load_gpt_for_inference
 from megatron.core.inference.engine import InferenceEngine
 from megatron.core.inference.launch import DTYPES, build_tokenizer_from
 from megatron.core.inference.sampling import SamplingParams
+from megatron.core.inference.start_token import continuation_ids, start_token, with_start_token
 
 try:
     from lm_eval.api.model import LM
@@ -113,7 +114,9 @@ class MegatronLiteLM(LM):
             inputs = torch.full((len(seqs), width), self.tokenizer.eod, dtype=torch.long)
             for i, s in enumerate(seqs):
                 inputs[i, :len(s) - 1] = torch.tensor(s[:-1])
-            logp = self.engine.forward_logits(inputs).log_softmax(-1).cpu()  # [b, width, V]
+            # over the real vocabulary, as the server's log-probs and the Hugging Face export: padding rows get no mass
+            logits = self.engine.forward_logits(inputs)[..., :self.tokenizer.vocab_size]
+            logp = logits.log_softmax(-1).cpu()  # [b, width, V]
             for i, ((_, tgt), s) in enumerate(zip(chunk, seqs)):
                 n = min(len(tgt), len(s) - 1)
                 rows = logp[i, len(s) - 1 - n:len(s) - 1]  # [n, V]
@@ -126,8 +129,8 @@ class MegatronLiteLM(LM):
         spaces = len(context) - len(context.rstrip(" "))
         if spaces:  # a trailing space belongs to the continuation's first token in BPE
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        ctx = self.tokenizer.tokenize(context) if context else [self.tokenizer.eod]
-        return ctx, self.tokenizer.tokenize(continuation)
+        ctx = self.tokenizer.tokenize(context) if context else [start_token(self.tokenizer)]
+        return ctx, continuation_ids(self.tokenizer, continuation)
 
     def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
         return self._score([self._encode_pair(*req.args) for req in requests])
@@ -135,7 +138,7 @@ class MegatronLiteLM(LM):
     def loglikelihood_rolling(self, requests) -> List[float]:
         out = []
         for req in requests:
-            ids = [self.tokenizer.eod] + self.tokenizer.tokenize(req.args[0])
+            ids = with_start_token(self.tokenizer, self.tokenizer.tokenize(req.args[0]))
             windows = []
             for start in range(0, len(ids) - 1, self.max_length):
                 window = ids[start:start + self.max_length + 1]
@@ -153,7 +156,7 @@ class MegatronLiteLM(LM):
             max_new = int(kwargs.pop("max_gen_toks", 256))
             sample = bool(kwargs.pop("do_sample", False))
             temperature = float(kwargs.pop("temperature", 1.0 if sample else 0.0))
-            ids = self.tokenizer.tokenize(context) or [self.tokenizer.eod]
+            ids = self.tokenizer.tokenize(context) or [start_token(self.tokenizer)]
             max_new = max(0, min(max_new, self.max_length - 1))
             ids = ids[-(self.max_length - max_new):]
             params = SamplingParams(max_new_tokens=max_new, greedy=not sample or temperature == 0.0,

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_strings: Tuple[str, ...] = field(default_factory=tuple)
     logprobs: bool = False
     top_logprobs: int = 0  # also record the this many most likely tokens at every generated position
+    prompt_top_logprobs: bool = False  # and at every prompt position after the first (needs logprobs)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -42,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.top_k > 0 and self.top_p > 0.0:
             raise ValueError("give top_k or top_p, not both")
+        if self.prompt_top_logprobs and not (self.logprobs and self.top_logprobs):
+            raise ValueError("prompt_top_logprobs needs logprobs and top_logprobs")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
 
     @property

@@ -2,10 +2,10 @@
 
 The same code serves ``tasks/main.py`` (a loaded checkpoint behind an ``InferenceEngine``) and the training
 loop's ``--eval-tasks`` (the model being trained, in place, through ``ModelChunksForward``). Both give
-``score_samples`` a *runner*: an object with ``device``, ``pstate``, ``stage_forward(tokens, start, labels=)``
-(this rank's pipeline stage; the last stage returns vocab-parallel logits ``[b, s, V/tp]`` or, given labels,
-per-token losses ``[b, s]``; other stages return ``None``) and ``from_last_stage(t)`` (broadcast from the last
-pipeline stage).
+``score_samples`` a *runner*: an object with ``device``, ``pstate``, ``vocab_size`` (the real vocabulary, or None),
+``stage_forward(tokens, start, labels=)`` (a forward through the pipeline, ``pipeline_forward``; the last stage
+returns vocab-parallel logits ``[b, s, V/tp]`` or, given labels, per-token losses ``[b, s]``; other stages return
+``None``) and ``from_last_stage(t)`` (broadcast from the last pipeline stage).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core import tensor_parallel
+from megatron.core.inference.pipeline_forward import pipeline_forward
 from megatron.core.parallel_state import ParallelState
 
 
@@ -34,11 +36,23 @@ def vocab_parallel_argmax(logits: torch.Tensor, pstate: ParallelState) -> torch.
     return torch.stack(all_ids).gather(0, best).squeeze(0)  # [b, s]
 
 
+def real_vocab_logits(logits: torch.Tensor, vocab_size: Optional[int], pstate: ParallelState) -> torch.Tensor:
+    """Vocab-parallel ``logits [b, s, V/tp]`` with the columns of the padding rows (ids >= ``vocab_size``) at -inf:
+    scores over the real vocabulary, as sampling is (a converted model's padding rows are zeros, whose logits would
+    otherwise take probability mass and win argmaxes)."""
+    part = logits.shape[-1]
+    start = pstate.tp_rank * part
+    if vocab_size is None or start + part <= vocab_size:
+        return logits
+    padding = torch.arange(start, start + part, device=logits.device) >= vocab_size  # [V/tp]
+    return logits.float().masked_fill(padding, float("-inf"))
+
+
 @torch.no_grad()
 def score_samples(runner, samples: List[tuple], micro_batch_size: int, metric: str,
                   log: Optional[Callable[[str], None]] = None, log_interval: int = 0) -> float:
     """Sum over samples of the masked target loss (``metric="loss"``) or of 1 per sample whose every masked
-    target is the argmax (``metric="accuracy"``).
+    target is the argmax (``metric="accuracy"``), over the runner's real vocabulary (``vocab_size``).
 
     Collective over the runner's model-parallel group and, when its ``pstate`` has data-parallel replicas, over
     those too: replica ``r`` scores samples ``r, r + dp, r + 2 dp, ...`` and the sums are added. Every rank
@@ -56,14 +70,15 @@ def score_samples(runner, samples: List[tuple], micro_batch_size: int, metric: s
         tokens = torch.tensor([t for t, _ in chunk], dtype=torch.long, device=device)  # [b, s + 1]
         mask = torch.tensor([m for _, m in chunk], dtype=torch.float64, device=device)  # [b, s]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [b, s] each
-        out = runner.stage_forward(inputs, 0, labels=labels if metric == "loss" else None)
-        if out is None:  # not the last pipeline stage
-            pass
-        elif metric == "loss":  # out: [b, s] vocab-parallel cross-entropy
-            total += float((out.double() * mask).sum())
-        else:  # out: [b, s, V/tp] logits
-            correct = (vocab_parallel_argmax(out, pstate) == labels) | (mask == 0)  # [b, s]
-            total += float(correct.all(dim=-1).sum())
+        logits = runner.stage_forward(inputs, 0)  # [b, s, V/tp]; None off the last pipeline stage
+        if logits is not None:
+            logits = real_vocab_logits(logits, runner.vocab_size, pstate)
+            if metric == "loss":
+                losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, pstate.tp_group)  # [b, s]
+                total += float((losses.double() * mask).sum())
+            else:
+                correct = (vocab_parallel_argmax(logits, pstate) == labels) | (mask == 0)  # [b, s]
+                total += float(correct.all(dim=-1).sum())
         if log is not None and log_interval and n % log_interval == 0:
             log(f"> evaluated batch {n}/{batches}")
     result = runner.from_last_stage(torch.tensor([total], dtype=torch.float64, device=device))
@@ -88,36 +103,21 @@ class ModelChunksForward:
     """A ``score_samples`` runner over this rank's model chunks as the trainer holds them (data-parallel wrappers
     around ``GPTModel`` chunks, one per virtual pipeline stage), used in place: nothing is copied or changed.
 
-    Under pipeline parallelism a batch travels chunk by chunk around the stages (stage 0 chunk 0, stage 1
-    chunk 0, ..., the last stage's chunk 0, stage 0 chunk 1, ...) with blocking sends and receives; under
-    sequence parallelism the activations between stages are the ``[s/tp, b, h]`` shards. The caller puts the
-    chunks in eval mode and disables gradients.
+    A batch goes through the trainer's own forward-only pipeline schedule (``pipeline_forward``), virtual stages
+    and sequence parallelism included. The caller puts the chunks in eval mode.
     """
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], pstate: ParallelState):
+    def __init__(self, chunks: Sequence[torch.nn.Module], pstate: ParallelState, vocab_size: Optional[int] = None):
+        """``vocab_size``: the tokenizer's vocabulary (scores leave the padding rows out); None: every row."""
         self.chunks = list(chunks)
-        self.inner = [getattr(c, "module", c) for c in self.chunks]
         self.pstate = pstate
-        first = next(self.inner[0].parameters())
-        self.device, self.dtype = first.device, first.dtype
-        self.config = self.inner[0].config
+        self.vocab_size = vocab_size
+        self.device = next(self.chunks[0].parameters()).device
 
     def stage_forward(self, tokens: torch.Tensor, start: int = 0, labels: Optional[torch.Tensor] = None):
         b, s = tokens.shape
         positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)  # [b, s]
-        s_local = s // self.pstate.tp_size if self.config.sequence_parallel else s
-        out = None
-        for chunk, inner in zip(self.chunks, self.inner):
-            if not inner.pre_process:
-                hidden = torch.empty(s_local, b, self.config.hidden_size, dtype=self.dtype,
-                                     device=self.device)  # [s(/tp), b, h]
-                dist.recv(hidden, src=self.pstate.prev_pp_rank)
-                chunk.set_input_tensor(hidden)
-            out = chunk(tokens, positions, labels=labels if inner.post_process else None)
-            if not inner.post_process:
-                dist.send(out.contiguous(), dst=self.pstate.next_pp_rank)  # [s(/tp), b, h]
-                out = None
-        return out
+        return pipeline_forward(self.chunks, self.pstate, tokens, positions, labels=labels)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.pstate.pp_size > 1:

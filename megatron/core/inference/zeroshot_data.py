@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Tuple
 
+from megatron.core.inference.start_token import continuation_ids
+
 Sample = Tuple[List[int], List[int]]
 
 # (old, new) literal replacements, in order
@@ -114,7 +116,7 @@ def lambada_split(text: str, tokenizer, strict: bool) -> Tuple[List[int], List[i
         return ids[:-1], ids[-1:]
     word = text.split()[-1]
     start = text.rfind(word)
-    return tokenizer.tokenize(text[:start].strip()), tokenizer.tokenize(" " + word)
+    return tokenizer.tokenize(text[:start].strip()), continuation_ids(tokenizer, " " + word)
 
 
 def build_lambada(path: str, tokenizer, seq_length: int, strict: bool, flag: str = "--valid-data") -> List[Sample]:

@@ -1,10 +1,14 @@
-"""GPT: embeddings -> pre-LN decoder -> (tied) vocab-parallel output layer -> vocab-parallel cross-entropy.
+"""GPT: embeddings -> pre-norm decoder -> (tied) vocab-parallel output layer -> vocab-parallel cross-entropy.
+
+The same model holds the Llama family: rotary instead of learned position embeddings
+(``position_embedding_type``), RMSNorm, SwiGLU, grouped-query attention, no biases, an untied output layer.
 
 Parameter names follow Megatron-Core's GPT so checkpoints interoperate:
-``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight``,
-``decoder.layers.N.{input_layernorm,self_attention.linear_qkv,self_attention.linear_proj,pre_mlp_layernorm,
-mlp.linear_fc1,mlp.linear_fc2}.*``, ``decoder.final_layernorm.*`` and ``output_layer.weight`` (present when the
-output weight is untied, or tied but living on a later pipeline stage than the embedding).
+``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight`` (learned absolute positions only),
+``decoder.layers.N.{input_layernorm,self_attention.linear_qkv,self_attention.{q,k}_layernorm,
+self_attention.linear_proj,pre_mlp_layernorm,mlp.linear_fc1,mlp.linear_fc2}.*``, ``decoder.final_layernorm.*`` and
+``output_layer.weight`` (present when the output weight is untied, or tied but living on a later pipeline stage
+than the embedding).
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from megatron.core.fusions.linear import linear_with_grad_accumulation_fusion
 from megatron.core.parallel_state import ParallelState, default_device
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.rope import RotaryEmbedding
 
 
 class LanguageModelEmbedding(nn.Module):
-    """Word (vocab-parallel) + learned absolute position embeddings, then dropout; output ``[s(/tp), b, h]``."""
+    """Word (vocab-parallel) + learned absolute position embeddings (``position_embedding_type ==
+    "learned_absolute"``; none otherwise), then dropout; output ``[s(/tp), b, h]``."""
 
     def __init__(self, config: TransformerConfig, pstate: ParallelState):
         super().__init__()
@@ -31,15 +37,18 @@ class LanguageModelEmbedding(nn.Module):
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, config=config, pstate=pstate
         )
-        self.position_embeddings = nn.Embedding(
-            config.max_position_embeddings, config.hidden_size, device=default_device(), dtype=config.params_dtype
-        )
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                    device=default_device(), dtype=config.params_dtype)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         # looked up in [s, b] order, so the sum is [s, b, h] as it is made (no transposing copy of the activations,
         # forward or backward)
-        emb = self.word_embeddings(input_ids.t()) + self.position_embeddings(position_ids.t())  # [s, b, h]
+        emb = self.word_embeddings(input_ids.t())  # [s, b, h]
+        if self.position_embeddings is not None:
+            emb = emb + self.position_embeddings(position_ids.t())  # [s, b, h]
         if self.config.sequence_parallel:
             emb = tensor_parallel.scatter_to_sequence_parallel_region(emb, self.pstate.tp_group)  # [s/tp, b, h]
             with tensor_parallel.get_rng_tracker().fork():
@@ -76,6 +85,7 @@ class GPTModel(nn.Module):
         self.input_tensor: Optional[torch.Tensor] = None
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, pstate)
+        self.rotary_pos_emb = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         n = config.num_layers if num_layers is None else num_layers
         self.decoder = TransformerBlock(config, pstate, n, post_layer_norm=post_process,
                                         use_torch_compile=use_torch_compile)
@@ -104,14 +114,23 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                inference_context=None):
+        """``input_ids``, ``position_ids`` ``[b, s]`` -> vocab-parallel logits ``[b, s, V/tp]`` (last stage; per-token
+        losses ``[b, s]`` given ``labels``) or the activations ``[s(/tp), b, h]`` for the next stage.
+        ``inference_context``: the key/value cache of incremental decoding (``inference.kv_cache.KVCache``); the
+        tokens then sit at the positions ``position_ids`` after the cached ones."""
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)  # [s(/tp), b, h]
         else:
             if self.input_tensor is None:
                 raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
             hidden = self.input_tensor
-        hidden = self.decoder(hidden)
+        rotary = None
+        if self.rotary_pos_emb is not None:
+            seq = hidden.shape[0] * (self.pstate.tp_size if self.config.sequence_parallel else 1)
+            rotary = self.rotary_pos_emb(self.rotary_pos_emb.positions(seq, position_ids, hidden.device))
+        hidden = self.decoder(hidden, rotary_pos_emb=rotary, inference_context=inference_context)
         if not self.post_process:
             return hidden
         return self._output(hidden, labels)

@@ -27,7 +27,7 @@ def global_parameter_name(name: str, layer_offset: int, tied_output: bool, stack
 def _init_full(name: str, shape, config: TransformerConfig, gen: torch.Generator, device) -> torch.Tensor:
     full = torch.empty(shape, dtype=torch.float32, device=device)
     leaf = name.rsplit(".", 1)[-1]
-    if "layernorm" in name or "layer_norm" in name:  # BERT's LM head names its LayerNorm layer_norm
+    if "layernorm" in name or "layer_norm" in name:  # q_layernorm / k_layernorm too  # BERT's LM head names its LayerNorm layer_norm
         fill = 0.0 if (leaf == "weight" and config.layernorm_zero_centered_gamma) else float(leaf == "weight")
         return full.fill_(fill)
     if leaf == "bias":
@@ -49,14 +49,11 @@ def initialize_model_parameters(
     tied = config.share_embeddings_and_output_weights
     for name, param in model.named_parameters():
         gname = global_parameter_name(name, layer_offset, tied, stack)
-        shape = list(param.shape)
-        parallel = getattr(param, "tensor_model_parallel", False)
-        dim = getattr(param, "partition_dim", -1)
-        if parallel:
-            shape[dim] *= pstate.tp_size
+        sharding = getattr(param, "tp_sharding", None)  # how the layer split it (tensor_parallel.TPSharding)
+        shape = list(param.shape) if sharding is None else sharding.full_shape(param.shape, pstate.tp_size)
         gen = torch.Generator(device=param.device)
         gen.manual_seed((seed * 1_000_003 + zlib.crc32(gname.encode())) % (2**63 - 1))
         full = _init_full(gname, shape, config, gen, param.device)
-        if parallel and pstate.tp_size > 1:
-            full = full.chunk(pstate.tp_size, dim=dim)[pstate.tp_rank]
+        if sharding is not None:
+            full = sharding.shard(full, pstate.tp_size, pstate.tp_rank, gname)
         param.copy_(full)

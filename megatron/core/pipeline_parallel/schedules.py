@@ -63,8 +63,10 @@ def check_num_microbatches(num_microbatches: int) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_schedule_arguments(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int) -> None:
-    """Raise ``ValueError`` naming the offending quantity when a schedule cannot be built."""
+def check_schedule_arguments(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int,
+                             forward_only: bool = False) -> None:
+    """Raise ``ValueError`` naming the offending quantity when a schedule cannot be built (a forward-only
+    interleaved schedule takes any number of microbatches: ``compute_order``)."""
     if pp_size < 1:
         raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
     if not 0 <= pp_rank < pp_size:
@@ -80,7 +82,7 @@ def check_schedule_arguments(pp_size: int, pp_rank: int, num_microbatches: int, 
             )
         # Megatron's rule for the interleaved schedule: microbatches go through the virtual stages in
         # groups of pp_size, so the number of microbatches must be a multiple of the pipeline size.
-        if num_microbatches % pp_size != 0:
+        if num_microbatches % pp_size != 0 and not forward_only:
             raise ValueError(
                 f"the interleaved schedule needs the number of microbatches ({num_microbatches}) to be a "
                 f"multiple of --pipeline-model-parallel-size ({pp_size}); with --virtual-pipeline-model-"
@@ -122,10 +124,14 @@ def compute_order(
     """The FORWARD/BACKWARD actions of one rank in execution order (no communication).
 
     Warmup forwards, then one forward and one backward alternately (steady 1F1B), then the cooldown
-    backwards. ``forward_only`` gives every forward and no backward.
+    backwards. ``forward_only`` gives every forward and no backward; interleaved with a number of microbatches
+    that is not a multiple of ``pp_size`` (one batch through the model, as generation and zero-shot scoring run
+    it), each microbatch goes through every chunk before the next one starts.
     """
-    check_schedule_arguments(pp_size, pp_rank, num_microbatches, num_chunks)
+    check_schedule_arguments(pp_size, pp_rank, num_microbatches, num_chunks, forward_only)
     total = num_microbatches * num_chunks
+    if num_chunks > 1 and num_microbatches % pp_size:  # forward only (checked above)
+        return [Action(ActionKind.FORWARD, m, c) for m in range(num_microbatches) for c in range(num_chunks)]
     if num_chunks == 1:
         fwd = [Action(ActionKind.FORWARD, m, 0) for m in range(num_microbatches)]
         bwd = [Action(ActionKind.BACKWARD, m, 0) for m in range(num_microbatches)]
@@ -229,7 +235,7 @@ def schedule_timeline(
 
     Ticks assume every forward and backward takes one unit; they are what ``timeline.py`` draws.
     """
-    check_schedule_arguments(pp_size, 0, num_microbatches, num_chunks)
+    check_schedule_arguments(pp_size, 0, num_microbatches, num_chunks, forward_only)
     return _place_communication(pp_size, num_microbatches, num_chunks, bool(forward_only))[1]
 
 
@@ -237,7 +243,7 @@ def build_schedule(
     pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1, forward_only: bool = False
 ) -> List[Action]:
     """The actions of pipeline rank ``pp_rank`` for one step: (interleaved when ``num_chunks > 1``) 1F1B."""
-    check_schedule_arguments(pp_size, pp_rank, num_microbatches, num_chunks)
+    check_schedule_arguments(pp_size, pp_rank, num_microbatches, num_chunks, forward_only)
     return list(_all_plans(pp_size, num_microbatches, num_chunks, bool(forward_only))[pp_rank])
 
 

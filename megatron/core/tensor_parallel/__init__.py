@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism: communication operators, parallel layers, vocab-parallel loss, RNG, data."""
 
 from megatron.core.collectives import count_collectives
+from megatron.core.tensor_parallel.config import LinearConfig
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
@@ -21,6 +22,7 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron.core.tensor_parallel.sharding import TPSharding
 from megatron.core.tensor_parallel.random import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
@@ -32,7 +34,7 @@ from megatron.core.tensor_parallel.random import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearConfig", "TPSharding",
     "copy_tensor_model_parallel_attributes", "param_is_not_tensor_parallel_duplicate",
     "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region", "count_collectives", "gather_from_sequence_parallel_region",

@@ -5,19 +5,24 @@ activations entering a column-parallel layer and leaving a row-parallel layer ar
 
 Parameters are allocated with ``torch.empty`` on ``default_device()`` in ``config.params_dtype`` and are *not*
 initialised: the model initialises every parameter centrally from the full master tensor and keeps this rank's
-slice, which it finds from the attributes set here:
+slice, which it finds from the parameter's ``tp_sharding`` (``sharding.TPSharding``) set here:
 
-| parameter                      | tensor_model_parallel | partition_dim | sequence_parallel |
-|--------------------------------|-----------------------|---------------|-------------------|
-| ColumnParallelLinear.weight    | True                  | 0             |                   |
-| ColumnParallelLinear.bias      | True                  | 0             |                   |
-| RowParallelLinear.weight       | True                  | 1             |                   |
-| RowParallelLinear.bias         | False                 | -1            | config.sequence_parallel |
-| VocabParallelEmbedding.weight  | True                  | 0             |                   |
+| parameter                      | tp_sharding                          | sequence_parallel        |
+|--------------------------------|--------------------------------------|--------------------------|
+| ColumnParallelLinear.weight    | output_sharding (TPSharding(0))      |                          |
+| ColumnParallelLinear.bias      | output_sharding (TPSharding(0))      |                          |
+| RowParallelLinear.weight       | TPSharding(1)                        |                          |
+| RowParallelLinear.bias         | None (replicated)                    | config.sequence_parallel |
+| VocabParallelEmbedding.weight  | TPSharding(0)                        |                          |
+
+``tensor_model_parallel`` (split or not) and ``partition_dim`` are kept beside it for the code that only needs to
+know whether a parameter is split (gradient norm, optimizer copies).
 
 The row-parallel bias is added after the reduction; under sequence parallelism each rank adds it to its own
 sequence slice, so its gradient is partial and must be summed over TP (``sequence_parallel = True`` tells
 ``finalize_model_grads`` to do so).
+
+The layers take a ``LinearConfig`` (``tensor_parallel/config.py``), or any configuration with its attributes.
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ import torch.nn.functional as F
 from megatron.core.collectives import all_gather_dim0, reduce_scatter_dim0
 from megatron.core.fusions.fp8 import fp8_linear, new_sites
 from megatron.core.fusions.linear import accumulate_wgrad, linear_with_grad_accumulation_fusion
-from megatron.core.fusions.mlp import bias_gelu_linear
-from megatron.core.fusions.ops import bias_gelu, bias_grad
+from megatron.core.fusions.ops import bias_grad
 from megatron.core.grad_record import fused_target
 from megatron.core.parallel_state import ParallelState, default_device
+from megatron.core.tensor_parallel.config import LinearConfig
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -43,16 +48,18 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.transformer.config import TransformerConfig
+from megatron.core.tensor_parallel.sharding import TPSharding
 
-_TP_ATTRIBUTES = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+_TP_ATTRIBUTES = {"tensor_model_parallel": False, "partition_dim": -1, "tp_sharding": None}
 
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
-    """Tag ``param`` with how it is split over TP ranks (read by initialisation, checkpoint tools, grad norm)."""
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, blocks: int = 1,
+                                         unit: int = 1) -> None:
+    """Tag ``param`` with how it is split over TP ranks (read by initialisation, checkpoint tools, grad norm):
+    ``tp_sharding = TPSharding(dim, blocks, unit)`` when ``is_parallel``, else None (replicated)."""
     param.tensor_model_parallel = bool(is_parallel)
-    param.partition_dim = int(dim)
-    param.partition_stride = int(stride)
+    param.partition_dim = int(dim) if is_parallel else -1
+    param.tp_sharding = TPSharding(int(dim), blocks, unit) if is_parallel else None
 
 
 def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
@@ -63,7 +70,7 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor
 
 
 def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy the three TP attributes from ``src`` to ``dst`` (e.g. onto an fp32 master copy of a parameter)."""
+    """Copy the TP attributes from ``src`` to ``dst`` (e.g. onto an fp32 master copy of a parameter)."""
     for name, default in _TP_ATTRIBUTES.items():
         setattr(dst, name, getattr(src, name, default))
 
@@ -81,7 +88,7 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _empty(shape, config: TransformerConfig) -> nn.Parameter:
+def _empty(shape, config: LinearConfig) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=default_device(), dtype=config.params_dtype))
 
 
@@ -129,7 +136,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def fp8_sites_for(config: TransformerConfig):
+def fp8_sites_for(config: LinearConfig):
     """A linear layer's delayed-scaling sites under ``--fp8-recipe delayed`` (``fp8.new_sites``), else None."""
     if config.fp8 is None or config.fp8_recipe != "delayed":
         return None
@@ -137,7 +144,7 @@ def fp8_sites_for(config: TransformerConfig):
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], accumulate_fusion: bool,
-            config: TransformerConfig, fp8_sites=None):
+            config: LinearConfig, fp8_sites=None):
     """``F.linear``; with gradient-accumulation fusion the weight gradient goes straight into ``main_grad``;
     with ``config.fp8`` the GEMMs run in FP8 (``megatron.core.fusions.fp8``), with ``fp8_sites`` under delayed
     scaling."""
@@ -164,6 +171,10 @@ class ColumnParallelLinear(nn.Module):
     gradient and all-gathered again in the backward, overlapped with the input-gradient GEMM
     (``_SequenceParallelColumnLinear``, as Korthikanti et al. 2022 and Megatron-Core do). FP8 GEMMs
     (``config.fp8``) keep their own FP8 copy of the gathered input instead (1 byte per element of ``[s, b, in]``).
+
+    ``output_sharding`` declares how the output features are split (a ``TPSharding`` along dimension 0): the
+    default is a contiguous slice; ``sharding.fc1_sharding(True)`` gives each rank its slice of both halves of a
+    fused ``[gate; up]`` output, ``sharding.qkv_sharding`` keeps each query group's QKV rows on one rank.
     """
 
     def __init__(
@@ -171,19 +182,25 @@ class ColumnParallelLinear(nn.Module):
         input_size: int,
         output_size: int,
         *,
-        config: TransformerConfig,
+        config: LinearConfig,
         pstate: ParallelState,
         bias: bool = True,
         gather_output: bool = False,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
+        output_sharding: Optional[TPSharding] = None,
     ):
         super().__init__()
+        config = LinearConfig.of(config)
         self.input_size, self.output_size = input_size, output_size
         self.config = config
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.output_size_per_partition = _divide(output_size, pstate.tp_size, "output size of a column-parallel linear")
+        sharding = output_sharding or TPSharding(0)
+        if sharding.dim != 0:
+            raise ValueError(f"ColumnParallelLinear: its output features are dimension 0, got {sharding}")
+        sharding.check(output_size, pstate.tp_size, "output size of a column-parallel linear")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = config.sequence_parallel and pstate.tp_size > 1
         if config.sequence_parallel and gather_output:
@@ -193,10 +210,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("weight", None)
         else:
             self.weight = _empty((self.output_size_per_partition, input_size), config)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, sharding.blocks, sharding.unit)
         if bias:
             self.bias = _empty((self.output_size_per_partition,), config)
-            set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, sharding.blocks, sharding.unit)
         else:
             self.register_parameter("bias", None)
 
@@ -242,11 +259,8 @@ class RowParallelLinear(nn.Module):
     reduce-scattered along dimension 0 to ``[s/tp, b, out]``. The bias is added after the reduction (or returned
     with ``skip_bias_add=True``).
 
-    ``input_bias_gelu=True`` (the MLP's second linear): ``forward(x, x_bias)`` is given the pre-activation of a
-    GeLU and computes the partial product ``gelu(x + x_bias) A_r`` before the reduction, fused where possible
-    (``fusions/mlp.py``): with ``recompute_input_gelu`` (selective recomputation) the GeLU output is not kept
-    for backward but recomputed from ``x``; under FP8 the GeLU is computed inside the quantization of the GEMM's
-    input. Otherwise the GeLU is one element-wise op (``fusions.bias_gelu``) followed by the GEMM.
+    ``forward(x)`` is ``reduce(partial_product(x))``; a caller that computes this rank's partial product itself
+    (the MLP, fusing its activation into the GEMM) hands it to ``reduce``.
     """
 
     def __init__(
@@ -254,20 +268,16 @@ class RowParallelLinear(nn.Module):
         input_size: int,
         output_size: int,
         *,
-        config: TransformerConfig,
+        config: LinearConfig,
         pstate: ParallelState,
         bias: bool = True,
         input_is_parallel: bool = True,
         skip_bias_add: bool = False,
-        input_bias_gelu: bool = False,
-        recompute_input_gelu: bool = False,
     ):
         super().__init__()
+        config = LinearConfig.of(config)
         self.input_size, self.output_size = input_size, output_size
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
-        if recompute_input_gelu and not input_bias_gelu:
-            raise ValueError("RowParallelLinear: recompute_input_gelu needs input_bias_gelu=True")
-        self.input_bias_gelu, self.recompute_input_gelu = input_bias_gelu, recompute_input_gelu
         self.input_size_per_partition = _divide(input_size, pstate.tp_size, "input size of a row-parallel linear")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.config = config
@@ -285,15 +295,19 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, x_bias: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``; with ``input_bias_gelu`` the input is
-        ``gelu(x + x_bias)`` (``x_bias [in/tp]`` or None)."""
-        if x_bias is not None and not self.input_bias_gelu:
-            raise ValueError("RowParallelLinear: x_bias is only taken with input_bias_gelu=True")
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``x [s, b, in/tp] -> (out [s(/tp), b, out], bias or None)``."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in/tp]
-        partial = self._partial_product(x, x_bias)  # [s, b, out] partial
+        return self.reduce(self.partial_product(x))
+
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x A_r`` ``[s, b, out]``, before the reduction."""
+        return _linear(x, self.weight, None, self.gradient_accumulation_fusion, self.config, self.fp8_sites)
+
+    def reduce(self, partial: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Sum the partial products ``[s, b, out]`` over TP (reduce-scatter to ``[s/tp, b, out]`` under sequence
+        parallelism), then add the bias or return it (``skip_bias_add``)."""
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:
@@ -302,24 +316,10 @@ class RowParallelLinear(nn.Module):
             return out, self.bias if self.skip_bias_add else None
         return out + self.bias, None
 
-    def _partial_product(self, x: torch.Tensor, x_bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """This rank's ``x A_r`` (``gelu(x + x_bias) A_r`` with ``input_bias_gelu``), before the reduction."""
-        cfg = self.config
-        if self.input_bias_gelu:
-            recompute = self.recompute_input_gelu and self.training
-            fused = cfg.use_fused_kernels and cfg.bias_gelu_fusion  # --no-bias-gelu-fusion
-            if recompute or cfg.fp8 is not None:
-                return bias_gelu_linear(x, x_bias, self.weight, use_fused=fused,
-                                        gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                                        fp8_format=cfg.fp8, fp8_margin=cfg.fp8_margin, recompute=recompute,
-                                        fp8_sites=self.fp8_sites)
-            x = bias_gelu(x, x_bias, use_fused=fused)  # [s, b, in/tp]
-        return _linear(x, self.weight, None, self.gradient_accumulation_fusion, cfg, self.fp8_sites)
-
     def extra_repr(self) -> str:
         return (f"in={self.input_size} (per rank {self.input_size_per_partition}), out={self.output_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}, input_bias_gelu={self.input_bias_gelu}")
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -329,8 +329,9 @@ class VocabParallelEmbedding(nn.Module):
     summed over TP with ``g``. ``forward(ids [b, s]) -> [b, s, h]``, identical on every TP rank.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, config: TransformerConfig, pstate: ParallelState):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, config: LinearConfig, pstate: ParallelState):
         super().__init__()
+        config = LinearConfig.of(config)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_group, self.tp_size = pstate.tp_group, pstate.tp_size
         self.num_embeddings_per_partition = _divide(num_embeddings, pstate.tp_size, "padded vocabulary size")

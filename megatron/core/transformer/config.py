@@ -14,21 +14,6 @@ from megatron.core.model_spec import ATTENTION_MASK_TYPES, ModelSpec  # noqa: F4
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
 
 
-# Spec options the transformer layers of this package build, and the flag that asks for each other value: the model
-# builders (the entry points' model providers, the inference loader) call ``check_layer_support`` so that a model
-# asking for another value stops with one line instead of silently ignoring the option.
-LAYER_SUPPORT = (
-    # (field, values the layers build, flag that names the option)
-    ("normalization", ("LayerNorm",), "--normalization"),
-    ("position_embedding_type", ("learned_absolute",), "--position-embedding-type"),
-    ("gated_linear_unit", (False,), "--swiglu"),
-    ("activation", ("gelu",), "--swiglu"),
-    ("add_bias_linear", (True,), "--disable-bias-linear"),
-    ("add_qkv_bias", (False,), "--add-qkv-bias"),
-    ("qk_layernorm", (False,), "--qk-layernorm"),
-)
-
-
 @dataclass(frozen=True)
 class TransformerConfig(ModelSpec):
     """The model's description (``ModelSpec``, whose fields it inherits) plus the runtime switches of its layers:
@@ -95,19 +80,6 @@ class TransformerConfig(ModelSpec):
     def from_spec(cls, spec: ModelSpec, **runtime) -> "TransformerConfig":
         """The spec's fields plus the runtime switches ``runtime`` (TransformerConfig's own field names)."""
         return cls(**spec.spec.to_dict(), **runtime)
-
-    def check_layer_support(self) -> None:
-        """Stop with one line naming the flag when the spec asks for an option the layers do not build."""
-        for name, values, flag in LAYER_SUPPORT:
-            if getattr(self, name) not in values:
-                raise ValueError(f"{flag}: {name} = {getattr(self, name)} is not built by this package's "
-                                 f"transformer layers (they build {', '.join(map(str, values))})")
-        if self.num_query_groups != self.num_attention_heads:
-            raise ValueError(f"--num-query-groups {self.num_query_groups} (grouped-query attention) is not built by "
-                             f"this package's transformer layers (they build one key/value head per query head)")
-        if self.kv_channels * self.num_attention_heads != self.hidden_size:
-            raise ValueError(f"--kv-channels {self.kv_channels} (heads x channels != --hidden-size) is not built by "
-                             "this package's transformer layers")
 
     def check_tensor_parallel(self, tp_size: int) -> None:
         """The model's constraints (``ModelSpec``) and sequence parallelism's."""

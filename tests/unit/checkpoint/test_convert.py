@@ -73,7 +73,7 @@ def test_megatron_reshard_tp2_pp2_and_back_is_exact(tmp_path, capsys):
     rc, out, _ = _run(capsys, *base, "--load-dir", FIXTURE, "--save-dir", mid, "--target-tensor-parallel-size", "2",
                       "--target-pipeline-parallel-size", "2")
     assert rc == 0 and sorted(os.listdir(os.path.join(mid, "iter_0000003"))) == [
-        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+        "manifest.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     last = load_megatron_file(os.path.join(mid, "iter_0000003", "mp_rank_01_001", "model_optim_rng.pt"))
     assert "output_layer._extra_state" in last["model"] and "decoder.layers.0.mlp.linear_fc2.weight" in last["model"]
     assert last["args"].tensor_model_parallel_size == 2 and last["args"].padded_vocab_size == 128

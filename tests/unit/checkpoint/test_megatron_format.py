@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.checkpoint_io import CheckpointIOError
 from megatron.core.checkpoint_formats import (CheckpointFormatError, dims_from_args, load_megatron_file,
                                               merge_tp_pp, read_megatron_checkpoint, write_megatron_checkpoint)
 from megatron.core.checkpoint_formats.optimizer_state import grouped_order
@@ -166,7 +167,7 @@ def test_write_megatron_matches_megatron_layout_and_reads_back(tmp_path):
 
 
 def test_refuses_missing_tracker_and_incomplete_torch_dist(tmp_path):
-    with pytest.raises(CheckpointFormatError, match="latest_checkpointed_iteration.txt"):
+    with pytest.raises(CheckpointIOError, match="latest_checkpointed_iteration.txt"):
         read_megatron_checkpoint(str(tmp_path))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     it = tmp_path / "iter_0000005"
@@ -377,13 +378,12 @@ def test_refuses_architectures_and_the_wrong_reader(tmp_path):
     from megatron.core.checkpoint_formats import read_our_checkpoint
     from megatron.core.checkpoint_formats.layout import check_supported_args
 
-    for key, value, flag in (("swiglu", True, "--swiglu"), ("position_embedding_type", "rope",
-                                                             "--position-embedding-type rope"),
-                             ("normalization", "RMSNorm", "--normalization RMSNorm"),
-                             ("num_experts", 8, "--num-experts 8"), ("add_bias_linear", False, "--add-bias-linear")):
+    for key, value, flag in (("num_experts", 8, "--num-experts 8"), ("multi_latent_attention", True,
+                                                                     "--multi-latent-attention True")):
         with pytest.raises(CheckpointFormatError, match=flag):
             check_supported_args({key: value}, "f.pt")
-    check_supported_args({"swiglu": False, "num_experts": None, "transformer_impl": "local"}, "f.pt")
+    check_supported_args({"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+                          "add_bias_linear": False, "num_experts": None, "transformer_impl": "local"}, "f.pt")
     with pytest.raises(CheckpointFormatError) as err:
         read_our_checkpoint(FIXTURE)
     assert str(err.value).endswith(  # one clean line: no torch advice, no terminal escape codes

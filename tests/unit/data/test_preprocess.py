@@ -255,3 +255,25 @@ def test_runs_in_one_process_do_not_leak_settings(tmp_path):
         P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / f"d{workers}", workers=workers))
         ds = IndexedDataset(str(tmp_path / f"d{workers}_text_document"))
         assert len(ds) == 2 and ds.document_indices.tolist() == [0, 1, 2]
+
+
+def test_howto_flags_vocab_and_chunk_size(tmp_path):
+    """The older how-tos' command line (``--vocab``, ``--chunk-size``) runs with one note each and writes what
+    ``--vocab-file`` writes; ``--vocab`` contradicting ``--vocab-file`` is one error line."""
+    _write_jsonl(tmp_path / "in.jsonl", [{"text": f"Document {i}: to be, or not to be."} for i in range(50)])
+    script = os.path.join(ROOT, "tools", "preprocess_data.py")
+    cmd = [sys.executable, script, "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "howto"),
+           "--vocab", VOCAB, "--dataset-impl", "mmap", "--tokenizer-type", "GPT2BPETokenizer", "--merge-file",
+           MERGES, "--json-keys", "text", "--workers", "2", "--chunk-size", "25", "--append-eod"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: --vocab is read as --vocab-file {VOCAB} (Megatron-LM's abbreviation of it)",
+                     "note: --chunk-size 25 has no effect: the workers take the input in byte ranges and the output "
+                     "is the same for any chunking"]
+    P.preprocess(_cfg(tmp_path / "in.jsonl", tmp_path / "plain"))
+    for ext in (".bin", ".idx"):
+        assert _sha(str(tmp_path / "howto_text_document") + ext) == _sha(str(tmp_path / "plain_text_document") + ext)
+    r = subprocess.run(cmd + ["--vocab-file", MERGES], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        f"error: --vocab {VOCAB} (the older spelling of --vocab-file) contradicts --vocab-file {MERGES}")

@@ -60,12 +60,12 @@ def test_untied_output_layer_and_dtype_override(tmp_path):
 
 
 def test_errors_name_the_file(tmp_path):
-    with pytest.raises(CheckpointLoadError, match="no such directory"):
+    with pytest.raises(CheckpointLoadError, match="does not exist"):
         load_gpt_for_inference(str(tmp_path / "absent"))
     with pytest.raises(CheckpointLoadError, match="latest_checkpointed_iteration.txt"):
         load_gpt_for_inference(str(tmp_path))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("oops")
-    with pytest.raises(CheckpointLoadError, match="expected an iteration number"):
+    with pytest.raises(CheckpointLoadError, match="expected a non-negative iteration number"):
         load_gpt_for_inference(str(tmp_path))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
     with pytest.raises(CheckpointLoadError, match="iter_0000003 does not exist"):

@@ -5,6 +5,7 @@ import torch
 
 from megatron.core.inference import InferenceEngine, SamplingParams, sample_next
 from megatron.core.tokenizer import build_tokenizer
+from megatron.core.transformer.attention import CoreAttention
 from tests.unit.inference.tiny import MERGES, VOCAB, random_prompts, tiny_args, tiny_model
 
 
@@ -127,9 +128,12 @@ def test_bad_prompts_are_rejected(engine):
         SamplingParams(top_p=1.5)
 
 
-def test_engines_over_one_model_share_the_cache(engine):
+def test_engines_over_one_model_own_their_caches_and_leave_the_model_unchanged(engine):
+    """The cache is the forward's inference context, not a part installed in the model: a second engine over the
+    same model has its own, and the layers keep their attention cores."""
     other = InferenceEngine(engine.model, eod=0)
-    assert other.cache is engine.cache
+    assert other.cache is not engine.cache
+    assert all(type(layer.self_attention.core_attention) is CoreAttention for layer in engine.model.decoder.layers)
     prompts = random_prompts([3, 6], seed=12)
     greedy = SamplingParams(max_new_tokens=5, greedy=True, stop_on_eod=False)
     assert [o.tokens for o in engine.generate(prompts, greedy)] == [o.tokens for o in other.generate(prompts, greedy)]

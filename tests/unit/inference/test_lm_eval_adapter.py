@@ -16,17 +16,17 @@ pytest.importorskip("transformers")
 from megatron.core.inference.hf_gpt2 import to_hf_gpt2  # noqa: E402
 from megatron.core.inference.lm_eval_adapter import MegatronLiteLM  # noqa: E402
 from megatron.core.tokenizer import build_tokenizer  # noqa: E402
+from tests.unit.inference.lm_eval_tasks import PASSAGES, write_loglikelihood_task  # noqa: E402
 from tests.unit.inference.tiny import MERGES, VOCAB, tiny_args, tiny_model, write_checkpoint  # noqa: E402
 
-PASSAGES = ["The tower was built of local granite", "A keeper lived in the small cottage",
-            "The storm damaged the lantern room twice", "Visitors climb the spiral staircase",
-            "The light can be seen from far away", "The trust restored the old tower"]
+HF_VOCAB = json.load(open(VOCAB))
 
 
 def _hf_loglikelihood(hf, ctx, tgt):
     ids = torch.tensor([ctx + tgt])
     with torch.no_grad():
-        logp = hf(ids[:, :-1]).logits[0].double().log_softmax(-1)  # [s, V]
+        # over the real vocabulary (the model keeps its padding rows)
+        logp = hf(ids[:, :-1]).logits[0, :, :len(HF_VOCAB)].double().log_softmax(-1)  # [s, V]
     rows = logp[len(ctx) - 1:]
     target = torch.tensor(tgt)
     return float(rows.gather(-1, target.unsqueeze(-1)).sum()), bool((rows.argmax(-1) == target).all())
@@ -58,28 +58,9 @@ def test_local_tasks_equal_hf(tmp_path, monkeypatch):
     for i, text in enumerate(PASSAGES):
         answer = _hf_greedy(hf, tok.tokenize(text), 4, tok) if i % 2 == 0 else " no such answer"
         gen_docs.append({"context": text, "answer": answer})
-    for name, rows in (("ll", docs), ("gen", gen_docs)):
-        with open(tmp_path / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "ll.yaml").write_text(textwrap.dedent(f"""\
-        task: local_last_word
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {tmp_path / 'll.jsonl'}
-        test_split: test
-        output_type: loglikelihood
-        doc_to_text: "{{{{context}}}}"
-        doc_to_target: "{{{{target}}}}"
-        metric_list:
-          - metric: perplexity
-            aggregation: perplexity
-            higher_is_better: false
-          - metric: acc
-            aggregation: mean
-            higher_is_better: true
-        """))
+    write_loglikelihood_task(tmp_path / "tasks", "local_last_word", docs)
+    with open(tmp_path / "gen.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in gen_docs)
     (tmp_path / "tasks" / "gen.yaml").write_text(textwrap.dedent(f"""\
         task: local_continue
         dataset_path: json

@@ -6,6 +6,7 @@ import socket
 import threading
 
 import pytest
+import torch
 
 from megatron.core.inference import InferenceEngine, SamplingParams
 from megatron.core.inference.api import Limits
@@ -13,7 +14,7 @@ from megatron.core.inference.server import GenerationService, make_server
 from megatron.core.tokenizer import build_tokenizer
 from tests.unit.inference.tiny import MERGES, VOCAB, tiny_args, tiny_model
 
-MAX_BODY = 4096
+MAX_BODY = 1 << 18  # holds JSON nested 100,000 deep
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def test_health_and_valid_requests(served):
     texts, outs = expected_megatron(engine, ["Hello there", "A"], 6, greedy=True, logprobs=True)
     assert ans["text"] == texts
     assert ans["logprobs"] == [o.logprobs for o in outs]
+    assert ans["tokens"] == [o.tokens for o in outs]  # prompt and generated ids, as Megatron-LM's server
     assert ans["segments"][0][:2] == ["Hello", " there"]
     status, ans = request(port, "PUT", "/api", {"prompts": ["Once"], "tokens_to_generate": 5, "top_k": 5,
                                                 "random_seed": 3})
@@ -81,8 +83,73 @@ def test_health_and_valid_requests(served):
     assert choice["logprobs"]["text_offset"] == [0, 3, 10, 16]
 
 
+def test_token_prompts_echo_top_logprobs_and_models(served):
+    """What lm-evaluation-harness's ``local-completions`` sends and reads: token-id prompts, and with echo plus
+    logprobs a most-likely-token object at every position but the first (None there, as in OpenAI's API)."""
+    engine, port = served
+    status, models = request(port, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"] and models["object"] == "list"
+    ids = [engine.tokenizer.tokenize(t) for t in ("The keeper lived here", "A storm")]
+    status, ans = request(port, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0,
+                                                           "echo": True, "logprobs": 2})
+    assert status == 200, ans
+    for prompt, choice in zip(ids, ans["choices"]):
+        full = engine.generate([prompt], SamplingParams(max_new_tokens=1, greedy=True, logprobs=True))[0].tokens
+        logits = engine.forward_logits(torch.tensor([full]))[0, :, :engine.vocab_size].log_softmax(-1)  # [s, V]
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert len(lp["top_logprobs"]) == len(full)
+        for pos in range(1, len(full)):
+            want = torch.topk(logits[pos - 1], 2)
+            got = lp["top_logprobs"][pos]
+            assert list(got) == [engine.tokenizer.detokenize([t]) for t in want.indices.tolist()], pos
+            assert max(abs(a - b) for a, b in zip(got.values(), want.values.tolist())) < 1e-5
+            assert abs(lp["token_logprobs"][pos] - float(logits[pos - 1, full[pos]])) < 1e-5
+        assert choice["text"] == engine.tokenizer.detokenize(full)
+    # a single token-id prompt (a flat list) is one prompt
+    status, ans = request(port, "POST", "/v1/completions", {"prompt": ids[1], "max_tokens": 2, "temperature": 0})
+    assert status == 200 and len(ans["choices"]) == 1 and ans["usage"]["prompt_tokens"] == len(ids[1])
+
+
+def megatron_cli_reads(port, body):
+    """How Megatron-LM's ``tools/text_generation_cli.py`` reads an answer (it is a script of its repository, not an
+    installable package): ``requests.put`` to ``/api``; on a status other than 200 it prints
+    ``response.json()['message']``, otherwise ``response.json()['text'][0]``."""
+    import requests
+
+    response = requests.put(f"http://127.0.0.1:{port}/api", data=json.dumps(body),
+                            headers={"Content-Type": "application/json"}, timeout=60)
+    if response.status_code != 200:
+        return f"Error {response.status_code}: {response.json()['message']}"
+    return response.json()["text"][0]
+
+
+def test_megatron_cli_reads_our_answers(served):
+    _, port = served
+    assert megatron_cli_reads(port, {"prompts": ["Still"], "tokens_to_generate": 2}).startswith("Still")
+    assert (megatron_cli_reads(port, {"prompts": ["Still"], "tokens_to_generate": "x"})
+            == "Error 400: tokens_to_generate must be an integer, got str")
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
 MALFORMED = [
     ("PUT", "/api", None, b"{not json", 400, "invalid JSON"),
+    ("PUT", "/api", None, DEEP, 400, "nested too deeply"),
+    ("PUT", "/api", None, b'{"prompts": ' + DEEP[:4000] + DEEP[-4000:] + b'}', 400, "nested too deeply"),
+    ("PUT", "/api", None, b'{"prompts": ["\\ud800"]}', 400, "lone surrogate"),
+    ("POST", "/v1/completions", None, b'{"prompt": "a", "stop": ["x\\udfff"]}', 400, "lone surrogate"),
+    ("POST", "/v1/completions", None, b'{"prompt": "a", "\\udc00": 1}', 400, "lone surrogate"),
+    ("PUT", "/api", None, b'"a string"', 400, "JSON object, got str"),
+    ("PUT", "/api", None, b"null", 400, "JSON object, got NoneType"),
+    ("POST", "/v1/completions", None, b"3.5", 400, "JSON object, got float"),
+    ("PUT", "/api", None, b'{"prompts": ["a"], "random_seed": 1' + b"0" * 5000 + b"}", 400, "invalid JSON"),
+    ("PUT", "/api", {"prompts": {"a": 1}}, None, 400, "non-empty list"),
+    ("PUT", "/api", {"prompts": ["a"], "stop_on_eol": "yes"}, None, 400, "true or false"),
+    ("POST", "/v1/completions", {"prompt": [[]]}, None, 400, "empty list of token ids"),
+    ("POST", "/v1/completions", {"prompt": [[1, 50257]]}, None, 400, r"token id 50257, outside"),
+    ("POST", "/v1/completions", {"prompt": [1, "a"]}, None, 400, r"prompt\[0\] must be a string"),
+    ("POST", "/v1/completions", {"prompt": [list(range(40))], "max_tokens": 9}, None, 400, "exceeds the model's"),
+    ("POST", "/v1/models", {}, None, 405, "use GET"),
     ("PUT", "/api", [1, 2], None, 400, "JSON object"),
     ("PUT", "/api", {"tokens_to_generate": 4}, None, 400, "prompts is required"),
     ("PUT", "/api", {"prompts": 5}, None, 400, "non-empty list"),

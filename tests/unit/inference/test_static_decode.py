@@ -128,7 +128,7 @@ def test_static_step_runs_the_same_ops_at_every_position(model):
     """What a CUDA graph needs, checked on the CPU: the step's ATen calls, their shapes and their non-tensor
     arguments do not depend on the position, and none of them reads a value back to the host."""
     b, n = 3, 6
-    layers, heads, head_dim = attention_shape(model)
+    shape = attention_shape(model)
     tokens = torch.tensor(random_prompts([20] * b, seed=26))  # [b, 20]
     static = InferenceEngine(model, eod=0)
     step = static._decode_step(b, 20)
@@ -143,12 +143,12 @@ def test_static_step_runs_the_same_ops_at_every_position(model):
     finally:
         static.cache.release()
     names = [name for name, _ in calls[0]]
-    assert names.count("aten.index_copy_.default") == 2 * layers  # each layer's key and value written in place
+    assert names.count("aten.index_copy_.default") == 2 * shape.num_layers  # keys and values written in place
     assert calls[0] == calls[1] == calls[2]
     assert not [name for name, _ in calls[0] if "_local_scalar_dense" in name or "item" in name]
     # the dynamic step, for contrast, changes its shapes with the position
     dynamic = InferenceEngine(model, eod=0, static_decode=False)
-    dynamic.cache.allocate(layers, b, heads, 20, head_dim, torch.float32, torch.device("cpu"))
+    dynamic.cache.allocate(shape, b, 20, torch.float32, torch.device("cpu"))
     try:
         dynamic._logits(tokens[:, :n], 0, last_only=True)
         dyn = []

@@ -213,6 +213,20 @@ def test_wraparound_messages_interleaved():
     assert not any(a.kind is K.SEND_BACKWARD and a.chunk == 0 for a in plan0)  # nor the first backward
 
 
+@pytest.mark.parametrize("pp,num_microbatches,num_chunks", [(2, 1, 2), (4, 1, 2), (2, 3, 2), (3, 4, 3)])
+def test_forward_only_interleaved_takes_any_microbatch_count(pp, num_microbatches, num_chunks):
+    """One batch through virtual stages (generation, zero-shot scoring): each microbatch goes through every chunk
+    before the next; the run completes under NCCL's group semantics, every input consumed once."""
+    plans = execute_all(pp, num_microbatches, num_chunks, True)
+    for rank, plan in enumerate(plans):
+        _check_rank(plan, pp, rank, num_microbatches, num_chunks, True)
+        fwd = [(a.microbatch, a.chunk) for a in plan if a.kind is K.FORWARD]
+        assert fwd == sorted(fwd)
+    execute_grouped(pp, num_microbatches, num_chunks, True)
+    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size"):  # training keeps the rule
+        build_schedule(pp, 0, num_microbatches, num_chunks)
+
+
 def test_checked_constraints():
     with pytest.raises(ValueError, match=r"multiple of --pipeline-model-parallel-size \(4\)"):
         build_schedule(4, 0, 6, 2)

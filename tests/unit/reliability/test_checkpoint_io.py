@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron.training import checkpoint_folder as cfold
-from megatron.training import checkpoint_io as cio
-from megatron.training.checkpoint_io import CheckpointCorruptError, CheckpointIOError
+from megatron.core import checkpoint_io as cio
+from megatron.core.checkpoint_io import CheckpointCorruptError, CheckpointIOError
 from tests.dist_utils import run_distributed
 
 REL = "mp_rank_00/model_optim_rng.pt"
@@ -65,7 +65,10 @@ def test_manifest_lists_every_file_and_verifies(tmp_path):
     assert body["files"]["mp_rank_01/extra.bin"] == {"size": 1000, "digest": hashlib.sha256(b"x" * 1000).hexdigest()}
     assert cio.verify_checkpoint(folder, 7) is True
     assert cio.verify_checkpoint(folder, 7, [REL]) is True
-    assert cio.verify_checkpoint(str(tmp_path / "iter_0000009"), 9) is False  # no manifest: unverifiable
+    os.makedirs(tmp_path / "iter_0000008")
+    assert cio.verify_checkpoint(str(tmp_path / "iter_0000008"), 8) is False  # no manifest: unverifiable
+    with pytest.raises(CheckpointCorruptError, match="iter_0000009 does not exist"):  # the tracker's typo
+        cio.verify_checkpoint(str(tmp_path / "iter_0000009"), 9)
 
 
 def test_corruption_of_4k_is_one_error_naming_file_and_iteration(tmp_path):

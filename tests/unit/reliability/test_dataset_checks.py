@@ -138,3 +138,29 @@ def test_real_preprocessed_corpus(tmp_path):
     assert check_token_ids(prefix, 50304).max_id == 50256  # <|endoftext|> appended to every document
     with pytest.raises(ValueError, match="token id 50256 .* vocabulary size 50000"):
         check_token_ids(prefix, 50000)
+
+
+def test_damaged_index_body_and_cached_index_name_the_file(tmp_path):
+    """A damaged .idx body (the header and the size still right) and a truncated cached index array: one error
+    naming the file, at open."""
+    rng = np.random.default_rng(0)
+    prefix = _build(str(tmp_path / "corpus"), [[rng.integers(0, 500, size=50)] for _ in range(40)], np.uint16)
+    assert len(IndexedDataset(prefix)) == 40
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(34 + 40 * 4 + 8 * 7)  # the pointer of sequence 7
+        f.write(np.int64(1 << 40).tobytes())
+    with pytest.raises(ValueError, match=f"^{prefix}.idx: corrupt index: sequence 7 \\(length 50, at byte "
+                                         f"1099511627776\\) does not lie inside the 4000 bytes of {prefix}.bin$"):
+        IndexedDataset(prefix)
+
+    from megatron.core.datasets.index_cache import IndexCache
+
+    cache = IndexCache(str(tmp_path / "cache"), {"n": 1}, "GPTDataset", "train", ["doc_idx"])
+    cache.save({"doc_idx": np.arange(1000, dtype=np.int64)})
+    path = cache.paths()["doc_idx"]
+    assert list(cache.load()["doc_idx"][:3]) == [0, 1, 2]
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(ValueError, match=f"^cached index file {path} is damaged \\(.*\\); delete it and it is "
+                                         "built again$"):
+        cache.load()

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
+    LinearConfig,
+    TPSharding,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
@@ -17,7 +19,6 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
 )
 from megatron.core.tensor_parallel.mappings import all_reduce_sum
-from megatron.core.transformer.config import TransformerConfig
 from tests.dist_utils import run_distributed
 
 S, B, H, FFN, V = 8, 2, 16, 32, 24
@@ -25,8 +26,7 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 def _cfg(sp, dtype=torch.float64):
-    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, seq_length=S,
-                             sequence_parallel=sp, params_dtype=dtype)
+    return LinearConfig(sequence_parallel=sp, params_dtype=dtype)
 
 
 def _rand(seed, *shape):
@@ -235,35 +235,8 @@ def test_attribute_helpers():
     col = ColumnParallelLinear(H, FFN, config=_cfg(False), pstate=ps)
     master = torch.empty_like(col.weight, dtype=torch.float32)
     copy_tensor_model_parallel_attributes(master, col.weight)
-    assert (master.tensor_model_parallel, master.partition_dim, master.partition_stride) == (True, 0, 1)
+    assert (master.tensor_model_parallel, master.partition_dim, master.tp_sharding) == (True, 0, TPSharding(0))
     plain = torch.empty(3)
     copy_tensor_model_parallel_attributes(plain, torch.empty(3))
-    assert (plain.tensor_model_parallel, plain.partition_dim, plain.partition_stride) == (False, -1, 1)
+    assert (plain.tensor_model_parallel, plain.partition_dim, plain.tp_sharding) == (False, -1, None)
     assert param_is_not_tensor_parallel_duplicate(col.weight, ps)
-
-
-@pytest.mark.parametrize("recompute", [False, True])
-def test_row_parallel_with_input_bias_gelu_matches_gelu_then_linear(recompute):
-    """``input_bias_gelu``: the layer applies gelu(x + x_bias) to its input (fused with its GEMM when the GeLU is
-    recomputed); output and every gradient equal GeLU followed by the unsharded linear."""
-    ps = ParallelState.single()
-    ref = _ref_linear(11, FFN, H)
-    row = RowParallelLinear(FFN, H, config=_cfg(False), pstate=ps, skip_bias_add=True, input_bias_gelu=True,
-                            recompute_input_gelu=recompute)
-    with torch.no_grad():
-        row.weight.copy_(ref.weight)
-        row.bias.copy_(ref.bias)
-    x, b = _rand(12, S, B, FFN).requires_grad_(True), _rand(13, FFN).requires_grad_(True)
-    xr, br = x.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
-    up = _rand(14, S, B, H)
-    out, bias = row(x, b)
-    (out + bias).backward(up)
-    ref(F.gelu(xr + br)).backward(up)
-    torch.testing.assert_close(out + bias, ref(F.gelu(xr + br)), **TOL)
-    for got, want in ((x.grad, xr.grad), (b.grad, br.grad), (row.weight.grad, ref.weight.grad),
-                      (row.bias.grad, ref.bias.grad)):
-        torch.testing.assert_close(got, want, **TOL)
-    with pytest.raises(ValueError, match="input_bias_gelu"):
-        RowParallelLinear(FFN, H, config=_cfg(False), pstate=ps)(x, b)
-    with pytest.raises(ValueError, match="recompute_input_gelu needs input_bias_gelu"):
-        RowParallelLinear(FFN, H, config=_cfg(False), pstate=ps, recompute_input_gelu=True)

@@ -238,3 +238,10 @@ def test_an_entry_point_adds_its_own_section():
     assert cfg.extra["masking"] == Masking(0.2) and cfg.to_plain_dict()["mask_prob"] == 0.2
     with pytest.raises(ConfigError, match=r"--mask-prob must be in \(0, 1\), got 1.5"):
         parse_config(SMALL + ["--mask-prob", "1.5"], extra_sections=[section])
+
+
+def test_save_interval_without_save_is_a_note():
+    """Megatron-LM ignores --save-interval without --save; so does the trainer, with a note."""
+    cfg, notes = parse_config(SMALL + ["--save-interval", "5"])
+    assert cfg.checkpointing.save is None
+    assert notes == ["note: --save-interval 5 has no effect without --save; nothing is saved"]

@@ -30,9 +30,12 @@ def setup(tmp_path_factory):
     return ckpt, tok, to_hf_gpt2(tiny_model(args))
 
 
+GPT2_VOCAB = 50257  # the tokenizer's ids: scores leave the embedding's padding rows out
+
+
 def _hf_logits(hf, ids):
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].double()  # [s, V]
+        return hf(torch.tensor([ids])).logits[0, :, :GPT2_VOCAB].double()  # [s, V] over the real vocabulary
 
 
 def reference_wikitext(hf, tok, path, seq, stride):
@@ -157,8 +160,58 @@ def test_bad_inputs(setup, tmp_path):
             _run(ckpt, "--task", task, "--valid-data", str(bad))
     with pytest.raises(SystemExit):
         parse_args(["--load", ckpt, "--task", "LAMBADA", "--valid-data", str(tmp_path / "missing.jsonl")])
-    with pytest.raises(ValueError, match="exceeds the model's 48 positions"):
+    with pytest.raises(ValueError, match="--seq-length 64 exceeds the checkpoint's 48 positions"):
         _run(ckpt, "--task", "WIKITEXT103", "--valid-data", WIKI, "--seq-length", "64")
+
+
+def megatron_zeroshot_flags(ckpt, valid_data):
+    """The flag block of Megatron-LM's ``examples/evaluate_zeroshot_gpt.sh``, in its order, with the sizes of our
+    tiny checkpoint (``--batch-size`` is its older name of ``--micro-batch-size``)."""
+    return ["--task", "LAMBADA", "--valid-data", valid_data, "--tokenizer-type", "GPT2BPETokenizer",
+            "--strict-lambada", "--vocab-file", VOCAB, "--merge-file", MERGES, "--load", ckpt,
+            "--tensor-model-parallel-size", "1", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--batch-size", "8", "--seq-length", str(SEQ),
+            "--max-position-embeddings", str(SEQ), "--log-interval", "10", "--fp16", "--no-load-optim",
+            "--no-load-rng"]
+
+
+def test_megatron_zeroshot_script_flags(setup, tmp_path):
+    """Megatron-LM's evaluation script's command (``python -m torch.distributed.launch``, which adds
+    ``--local-rank``) runs unchanged but for the sizes, scores in fp16 as our own flags do, and each model flag is
+    checked against the checkpoint: a mismatch is one line naming the flag, the value given and the stored one."""
+    import subprocess
+    import sys
+
+    from tests.unit.inference.tiny import ROOT
+
+    ckpt, tok, _ = setup
+    data = lambada_with_model_endings(ckpt, tok, str(tmp_path / "lambada.jsonl"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "1",
+                           "--master_port", "0", os.path.join(ROOT, "tasks/main.py"),
+                           *megatron_zeroshot_flags(ckpt, data), "--results-file", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note: --batch-size is Megatron-LM's old name of --micro-batch-size" in proc.stderr
+    got = json.load(open(tmp_path / "r.json"))
+    want = _run(ckpt, "--task", "LAMBADA", "--valid-data", data, "--strict-lambada", "--dtype", "fp16")
+    assert got["number correct"] == want["number correct"] and got["total examples"] == want["total examples"]
+    assert 0 < got["number correct"] < got["total examples"]
+    flags = megatron_zeroshot_flags(ckpt, data)
+    for flag, value, stored in (("--num-layers", "24", "2"), ("--hidden-size", "1024", "32"),
+                                ("--max-position-embeddings", "1024", "48")):
+        bad = list(flags)
+        bad[bad.index(flag) + 1] = value
+        with pytest.raises(ValueError, match=rf"^--load {ckpt} \(.*\) does not match: {flag} {value} \(the "
+                                             rf"checkpoint's is {stored}\)$"):
+            run(parse_args(bad))
+    bad = list(flags)
+    bad[bad.index("--tensor-model-parallel-size") + 1] = "2"
+    with pytest.raises(ValueError, match=r"^--tensor-model-parallel-size 2 must equal the number of processes"):
+        run(parse_args(bad))
+    with pytest.raises(ValueError, match=r"^conflicting parameter dtypes: --fp16, --bf16$"):
+        run(parse_args(flags + ["--bf16"]))
 
 
 def test_tp2_and_pp2_equal_tp1(setup, tmp_path):

@@ -1,4 +1,9 @@
-"""Durable, verifiable checkpoint files: the file-system half of saving and loading a checkpoint.
+"""The checkpoint folder on disk: the tracker, the iteration folders, durable writes and the manifest.
+
+Every reader and writer of a ``--save``/``--load`` folder (the trainer, ``tools/checkpoint/convert.py``, the
+inference loader) goes through this module, and every error it raises is a ``CheckpointIOError`` (one line
+naming the file). The folder holds ``latest_checkpointed_iteration.txt`` (the tracker: an iteration number, or
+``release``) and one ``iter_NNNNNNN`` (or ``release``) folder per checkpoint (Megatron-LM's layout).
 
 A checkpoint folder (``ROOT/iter_0000100``) is written in this order, and each step only starts when the
 previous one is on disk:
@@ -25,10 +30,17 @@ import json
 import os
 import socket
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence
+import re
+from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+# Stored in every file this framework saves into a checkpoint folder: a folder whose file carries it was written
+# with a manifest, so a missing manifest there means damage, not an older or foreign writer.
+MANIFEST_KEY = "manifest"
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 HASH_ALGORITHM = "sha256"  # hardware-accelerated in OpenSSL on current x86/ARM CPUs; see docs/reliability.md
 
 _READ_CHUNK = 8 << 20
@@ -189,6 +201,59 @@ def remove_quietly(path: str) -> None:
         pass
 
 
+# ---- the tracker and the iteration folders -----------------------------------------------------------------
+def iteration_dir(root: str, iteration: int, release: bool = False) -> str:
+    """``ROOT/iter_NNNNNNN`` (``ROOT/release`` for a release checkpoint)."""
+    return os.path.join(root, RELEASE if release else f"iter_{iteration:07d}")
+
+
+def list_iterations(root: str) -> List[int]:
+    """Iterations of the ``iter_NNNNNNN`` folders under ``root``, ascending."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = (ITER_DIR.match(n) for n in names)
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def has_tracker(root: Optional[str]) -> bool:
+    return bool(root) and os.path.isfile(os.path.join(root, TRACKER))
+
+
+def read_tracker(root: str, flag: str = "--load") -> Tuple[int, str]:
+    """``(iteration, iteration folder)`` the tracker of ``root`` names (``release``: ``(0, ROOT/release)``).
+
+    Raises ``CheckpointIOError`` when ``root`` is not a folder, has no tracker, or the tracker holds anything
+    but ``release`` or a non-negative iteration number (written by hand, damaged).
+    """
+    if not os.path.isdir(root):
+        raise CheckpointIOError(f"{flag} folder {root} does not exist")
+    tracker = os.path.join(root, TRACKER)
+    try:
+        with open(tracker, "rb") as f:
+            raw = f.read(256)
+    except FileNotFoundError:
+        raise CheckpointIOError(f"no checkpoint to load: {tracker} does not exist") from None
+    except OSError as exc:
+        raise CheckpointIOError(describe_os_error(exc, tracker, "reading")) from exc
+    text = raw.decode("utf-8", "replace").strip()
+    if text == RELEASE:
+        return 0, iteration_dir(root, 0, release=True)
+    if not (text.isascii() and text.isdigit()):
+        raise CheckpointIOError(f"corrupt tracker file {tracker}: expected a non-negative iteration number or "
+                                f"'{RELEASE}', found {text[:40]!r}")
+    return int(text), iteration_dir(root, int(text))
+
+
+def write_tracker(root: str, iteration: int, release: bool = False) -> None:
+    """Point the tracker at ``iteration`` (or ``release``), atomically and durably; call it only once every
+    file of that checkpoint, and its manifest, is on disk."""
+    if iteration < 0:
+        raise CheckpointIOError(f"cannot record iteration {iteration} in {os.path.join(root, TRACKER)}")
+    write_text_durable(os.path.join(root, TRACKER), RELEASE if release else str(int(iteration)))
+
+
 # ---- manifest -----------------------------------------------------------------------------------------------
 def gather_records(records: Sequence[FileRecord], error: Optional[BaseException] = None,
                    group=None) -> List[FileRecord]:
@@ -222,6 +287,20 @@ def write_manifest(ckpt_dir: str, iteration: int, records: Iterable[FileRecord])
     return os.path.join(ckpt_dir, MANIFEST)
 
 
+def write_folder_manifest(ckpt_dir: str, iteration: int) -> str:
+    """Hash every file already in ``ckpt_dir`` and write its manifest (for writers that did not hash while
+    writing, such as the converter: one more read of each file)."""
+    records = []
+    for folder, _, names in os.walk(ckpt_dir):
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            if name == MANIFEST or ".tmp." in name:
+                continue
+            rel = os.path.relpath(path, ckpt_dir)
+            records.append(FileRecord(rel.replace(os.sep, "/"), os.path.getsize(path), file_digest(path)))
+    return write_manifest(ckpt_dir, iteration, records)
+
+
 def invalidate_manifest(ckpt_dir: str) -> bool:
     """Remove ``ckpt_dir``'s manifest before its files are written again (a re-save of the same iteration), so
     a save cut short leaves an incomplete folder, never one whose manifest lists older bytes."""
@@ -243,6 +322,11 @@ def read_manifest(ckpt_dir: str, iteration: Optional[int] = None) -> Optional[di
         hashlib.new(algorithm)
         if not isinstance(files, dict):
             raise TypeError("'files' is not a mapping")
+        for rel, entry in files.items():
+            if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                    and isinstance(entry.get("digest"), str)):
+                raise TypeError(f"the entry of {rel!r} is {json.dumps(entry)[:80]}, not "
+                                "{\"size\": bytes, \"digest\": hex string}")
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
@@ -251,6 +335,21 @@ def read_manifest(ckpt_dir: str, iteration: Optional[int] = None) -> Optional[di
     except OSError as exc:
         raise CheckpointIOError(describe_os_error(exc, path, "reading")) from exc
     return body
+
+
+def written_with_manifest(path: str) -> bool:
+    """Whether ``path`` is a file this framework saved (it carries ``MANIFEST_KEY``), which means that its
+    folder had a manifest. Reads the pickle only (tensors are memory-mapped, not read); False for a file that
+    is absent, unreadable or another writer's."""
+    import torch
+
+    if not os.path.isfile(path):
+        return False
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # damaged or foreign: the loader itself names the file
+        return False
+    return isinstance(state, dict) and state.get(MANIFEST_KEY) == MANIFEST_FORMAT
 
 
 def file_digest(path: str, algorithm: str = HASH_ALGORITHM) -> str:
@@ -269,10 +368,19 @@ def verify_checkpoint(ckpt_dir: str, iteration: Optional[int], relpaths: Optiona
     Returns False when the folder has no manifest (nothing to check against: an older checkpoint); True when
     every file matches. Raises ``CheckpointCorruptError`` naming the first missing or differing file.
     """
+    where = f"checkpoint iteration {iteration}"
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointCorruptError(f"{where}: its folder {ckpt_dir} does not exist", ckpt_dir, iteration)
     manifest = read_manifest(ckpt_dir, iteration)
     if manifest is None:
+        for rel in relpaths or ():
+            path = os.path.join(ckpt_dir, rel)
+            if written_with_manifest(path):
+                raise CheckpointCorruptError(
+                    f"{where}: {os.path.join(ckpt_dir, MANIFEST)} is missing, but {path} was saved with one (the "
+                    "manifest was deleted, or the folder was damaged); its files cannot be verified", path,
+                    iteration)
         return False
-    where = f"checkpoint iteration {iteration}"
     if iteration is not None and manifest.get("iteration") != iteration:
         path = os.path.join(ckpt_dir, MANIFEST)
         raise CheckpointCorruptError(f"{where}: manifest {path} belongs to iteration {manifest.get('iteration')}",
