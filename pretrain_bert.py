@@ -15,11 +15,11 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from megatron.core.models.bert import BertModel, initialize_bert_parameters
+from megatron.core.models.bert import BertModel
 from megatron.core.models.bert_loss import bert_loss_func, get_bert_batch, max_masked_positions
-from megatron.core.pipeline_parallel.partition import stage_chunks
+from megatron.training.bert_chunks import build_bert_chunks
 from megatron.training.bert_section import BERT
-from megatron.training.config import TrainingContext, transformer_config
+from megatron.training.config import TrainingContext
 from megatron.training.dry_run import print_dry_run, wants_dry_run
 from megatron.training.setup import main_entry, print_rank_0, rank_0_first
 from megatron.training.training import pretrain
@@ -27,20 +27,11 @@ from megatron.training.training import pretrain
 
 def model_provider(ctx: TrainingContext) -> List[BertModel]:
     """This rank's BERT chunks (one per virtual pipeline stage), initialised layout-independently."""
-    m, par, pstate, bert = ctx.config.model, ctx.config.parallel, ctx.pstate, ctx.config.extra["bert"]
-    config = transformer_config(m, ctx.config.precision, par.sequence_parallel, ctx.padded_vocab_size,
-                                attention_mask_type="padding",
-                                apply_residual_connection_post_layernorm=bert.apply_residual_connection_post_layernorm)
-    chunks = []
-    for c in stage_chunks(m.num_layers, pstate, par.decoder_first_pipeline_num_layers,
-                          par.decoder_last_pipeline_num_layers):
-        model = BertModel(config, pstate, pre_process=c.pre_process, post_process=c.post_process,
-                          num_layers=c.num_layers, layer_offset=c.layer_offset,
-                          num_tokentypes=2 if bert.bert_binary_head else 0, add_binary_head=bert.bert_binary_head,
-                          use_torch_compile=m.use_torch_compile)
-        initialize_bert_parameters(model, ctx.config.training.seed, config, pstate, layer_offset=c.layer_offset)
-        chunks.append(model)
-    return chunks
+    m, pstate, bert = ctx.config.model, ctx.pstate, ctx.config.extra["bert"]
+    return build_bert_chunks(ctx, bert.apply_residual_connection_post_layernorm, lambda config, c: BertModel(
+        config, pstate, pre_process=c.pre_process, post_process=c.post_process, num_layers=c.num_layers,
+        layer_offset=c.layer_offset, num_tokentypes=2 if bert.bert_binary_head else 0,
+        add_binary_head=bert.bert_binary_head, use_torch_compile=m.use_torch_compile))
 
 
 def loss_func(loss_mask, is_random, output_tensor):

@@ -1,4 +1,8 @@
-"""Zero-shot evaluation of a trained GPT checkpoint.
+"""Zero-shot evaluation of a trained GPT checkpoint, and BERT fine-tuning (MNLI, QQP, RACE).
+
+    python tasks/main.py --task MNLI --train-data train.tsv --valid-data dev_matched.tsv \
+        --pretrained-checkpoint BERT_CKPT --epochs 3 --seq-length 128 --micro-batch-size 32 --lr 2e-5 ...
+        (the trainer's flags; docs/finetune.md)
 
     python tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens --load CKPT --overlapping-eval 32
     python tasks/main.py --task LAMBADA --valid-data lambada_test.jsonl --load CKPT --strict-lambada
@@ -100,7 +104,27 @@ def run(args) -> dict:
     return result
 
 
+FINETUNE_TASKS = ("MNLI", "QQP", "RACE")
+
+
+def _task_of(argv) -> str:
+    """The value of --task (``--task X`` or ``--task=X``), or "" without one."""
+    for i, arg in enumerate(argv):
+        if arg == "--task" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--task="):
+            return arg.split("=", 1)[1]
+    return ""
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _task_of(argv) in FINETUNE_TASKS:  # BERT fine-tuning on the trainer (megatron/training/finetune.py)
+        from megatron.training.finetune import finetune
+        from megatron.training.setup import main_entry
+
+        main_entry(lambda: finetune(argv))
+        return 0
     args = parse_args(argv)
     return run_tool(lambda: run(args))
 

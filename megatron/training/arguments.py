@@ -315,6 +315,9 @@ def parse_namespace(argv: Optional[Sequence[str]] = None, world_size: int = 1,
     ns = parser.parse_args(argv)
     if ns.use_checkpoint_args and ns.load:
         _fill_from_checkpoint(ns)
+    for section in extra_sections:
+        if section.prepare is not None:
+            section.prepare(ns, world_size)
     for name, default in CHECKPOINT_ARGS.items():
         if getattr(ns, name) is None:
             setattr(ns, name, default)

@@ -229,7 +229,8 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": Preci
 class ExtraSection:
     """An entry point's own section: its flags, its frozen dataclass and its checks.
 
-    ``add_arguments(parser)`` adds the flags (with help); ``validate(ns)`` may check them and fill derived values
+    ``add_arguments(parser)`` adds the flags (with help); ``prepare(ns, world_size)`` (optional) runs before the
+    trainer's validation; ``validate(ns)`` may check them and fill derived values
     (raise ``ConfigError``) before ``cls`` is built from the same-named attributes. The section then appears in
     ``RunConfig.extra[name]`` and in the checkpoint's stored arguments.
     """
@@ -237,6 +238,9 @@ class ExtraSection:
     cls: type
     add_arguments: Callable[[argparse.ArgumentParser], None]
     validate: Optional[Callable[[argparse.Namespace], None]] = None
+    # ``prepare(ns, world_size)`` runs before the trainer's own validation: it may fill trainer flags the section
+    # decides (e.g. --train-iters from a number of epochs, model sizes from a pre-trained checkpoint)
+    prepare: Optional[Callable[[argparse.Namespace, int], None]] = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from megatron.core.checkpoint_formats.hf_gpt2 import GPT2_OPTIONS, check_spec_op
 from megatron.core.checkpoint_formats.layout import ModelDims, pad_vocab_size
 from megatron.core.checkpoint_formats.safe_load import CheckpointFormatError
 from megatron.core.model_spec import ModelSpec
-from megatron.core.models.bert_hf_mapping import has_binary_head, hf_to_megatron_bert, megatron_to_hf_bert
+from megatron.core.models.bert_hf_mapping import (encoder_to_hf_bert, has_binary_head, hf_to_megatron_bert,
+                                                 megatron_to_hf_bert)
 
 # Megatron's WordPiece tokenizer appends these two ordinary entries to vocab.txt (bert-base: 30,522 -> 30,524)
 MEGATRON_EXTRA_TOKENS = ("[BOS]", "[EOS]")
@@ -132,6 +133,21 @@ def _write_tokenizer(out_dir: str, vocab_file: str, vocab_size: int, lower_case:
         json.dump(_SPECIAL, f, indent=2)
 
 
+def _pad_id(vocab_file: Optional[str]) -> Optional[int]:
+    tokens = read_wordpiece_vocab(vocab_file) if vocab_file else []
+    return tokens.index("[PAD]") if "[PAD]" in tokens else None
+
+
+def _write_model_folder(model, out_dir: str, dims: ModelDims, vocab_file: Optional[str], lower_case: bool) -> List[str]:
+    """Save the transformers ``model`` in the checkpoint's dtype, then the tokenizer files; the folder's files."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    if vocab_file:
+        _write_tokenizer(out_dir, vocab_file, dims.vocab_size, lower_case, dims.max_position_embeddings)
+    return sorted(os.listdir(out_dir))
+
+
 def save_hf_bert(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, post_ln: bool,
                  vocab_file: Optional[str] = None, lower_case: bool = True,
                  dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> List[str]:
@@ -141,10 +157,7 @@ def save_hf_bert(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, p
 
     hf_sd = to_hf_bert(full, dims, post_ln)
     binary = "binary_head.weight" in full
-    pad_id = None
-    if vocab_file:
-        tokens = read_wordpiece_vocab(vocab_file)
-        pad_id = tokens.index("[PAD]") if "[PAD]" in tokens else None
+    pad_id = _pad_id(vocab_file)
     cfg = hf_bert_config(spec_of_dims(dims, attention_mask_type="padding",
                                       apply_residual_connection_post_layernorm=post_ln),
                          dims.vocab_size, binary, pad_id, dropout, init_std)
@@ -159,12 +172,47 @@ def save_hf_bert(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, p
         raise CheckpointFormatError(f"BERT export does not fit transformers' {arch}: missing {missing[:3]}, "
                                     f"unexpected {unexpected[:3]}")
     model.tie_weights()
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dims.params_dtype, torch.float32)
-    os.makedirs(out_dir, exist_ok=True)
-    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
-    if vocab_file:
-        _write_tokenizer(out_dir, vocab_file, dims.vocab_size, lower_case, dims.max_position_embeddings)
-    return sorted(os.listdir(out_dir))
+    return _write_model_folder(model, out_dir, dims, vocab_file, lower_case)
+
+
+# fine-tuned heads -> (Hugging Face head name, class suffix)
+_FINETUNED_HEADS = {"classification_head": "ForSequenceClassification", "multichoice_head": "ForMultipleChoice"}
+
+
+def save_hf_bert_finetuned(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, post_ln: bool,
+                           vocab_file: Optional[str] = None, lower_case: bool = True,
+                           dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> List[str]:
+    """Write a fine-tuned BERT (encoder, pooler and ``classification_head`` or ``multichoice_head``) as
+    ``BertForSequenceClassification`` / ``BertForMultipleChoice`` (post-LN) or their ``MegatronBert`` classes
+    (pre-LN): ``config.json`` (``num_labels``), ``model.safetensors`` and, given a ``vocab.txt``, the tokenizer."""
+    import transformers
+
+    heads = [h for h in _FINETUNED_HEADS if f"{h}.weight" in full]
+    if len(heads) != 1 or "pooler.dense.weight" not in full:
+        raise CheckpointFormatError("not a fine-tuned BERT: it needs the pooler and one of classification_head, "
+                                    "multichoice_head")
+    head = heads[0]
+    if dims.vocab_size is None:
+        raise CheckpointFormatError("the real vocabulary size is unknown; pass --vocab-file")
+    one = 1.0 if dims.apply_layernorm_1p else 0.0  # --apply-layernorm-1p stores gamma - 1
+    state = {k: (v + one if _is_norm_weight(k) else v) for k, v in full.items()}
+    hf_sd = encoder_to_hf_bert(state, dims.num_layers, dims.num_attention_heads, dims.vocab_size, post_ln)
+    hf_sd["classifier.weight"], hf_sd["classifier.bias"] = full[f"{head}.weight"], full[f"{head}.bias"]
+    pad_id = _pad_id(vocab_file)
+    cfg = hf_bert_config(spec_of_dims(dims, attention_mask_type="padding",
+                                      apply_residual_connection_post_layernorm=post_ln),
+                         dims.vocab_size, True, pad_id, dropout, init_std)
+    cfg.pop("architectures"), cfg.pop("model_type"), cfg.pop("tie_word_embeddings")
+    if head == "classification_head":
+        cfg["num_labels"] = int(full[f"{head}.weight"].shape[0])
+    arch = ("Bert" if post_ln else "MegatronBert") + _FINETUNED_HEADS[head]
+    config_cls = transformers.BertConfig if post_ln else transformers.MegatronBertConfig
+    model = getattr(transformers, arch)(config_cls(**cfg))
+    missing, unexpected = model.load_state_dict({k: v.contiguous() for k, v in hf_sd.items()}, strict=False)
+    if missing or unexpected:
+        raise CheckpointFormatError(f"fine-tuned BERT export does not fit transformers' {arch}: missing "
+                                    f"{missing[:3]}, unexpected {unexpected[:3]}")
+    return _write_model_folder(model, out_dir, dims, vocab_file, lower_case)
 
 
 # ---- import -----------------------------------------------------------------------------------------------------
@@ -193,10 +241,11 @@ def from_hf_bert(hf_sd: Dict[str, torch.Tensor], config: dict, make_vocab_size_d
     # checkpoints written by TensorFlow-era code name LayerNorm parameters gamma/beta
     sd = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
           for k, v in hf_sd.items() if not k.endswith(("position_ids", "token_type_ids"))}
-    if "cls.predictions.bias" not in sd:
-        raise CheckpointFormatError(f"{where}: no masked-LM head (cls.predictions.*): a bare BertModel cannot be "
-                                    "converted (export it with its pre-training or masked-LM head)")
+    if any(k.startswith("embeddings.") for k in sd):  # a bare BertModel's keys carry no "bert." prefix
+        sd = {("bert." + k if k.startswith(("embeddings.", "encoder.", "pooler.")) else k): v for k, v in sd.items()}
     layers, heads, vocab = (int(config[k]) for k in ("num_hidden_layers", "num_attention_heads", "vocab_size"))
+    if "cls.predictions.bias" not in sd:
+        notes = notes + _add_placeholder_heads(sd, int(config["hidden_size"]), vocab)
     binary = has_binary_head(sd)
     types = sd.get("bert.embeddings.token_type_embeddings.weight")
     if binary and types is not None and types.shape[0] != 2:
@@ -220,6 +269,27 @@ def from_hf_bert(hf_sd: Dict[str, torch.Tensor], config: dict, make_vocab_size_d
         raise CheckpointFormatError(f"{where}: unknown tensor {unknown[0]} (not a {_CLASSES[(post_ln, binary)]} "
                                     "weight)")
     return {k: v.contiguous() for k, v in full.items()}, dims, post_ln, notes
+
+
+def _add_placeholder_heads(sd: Dict[str, torch.Tensor], hidden: int, vocab: int) -> List[str]:
+    """A bare ``BertModel`` (encoder and pooler, no pre-training heads): add heads that make it a complete
+    ``BertForPreTraining`` - the masked-LM transform as identity with a zero vocabulary bias, a zero
+    sentence-relationship head and, without a pooler, an identity pooler. Fine-tuning replaces them; the note says
+    so."""
+    word = sd["bert.embeddings.word_embeddings.weight"]
+    eye, zeros = torch.eye(hidden, dtype=word.dtype), lambda *shape: torch.zeros(*shape, dtype=word.dtype)
+    sd.update({"cls.predictions.bias": zeros(vocab), "cls.predictions.transform.dense.weight": eye,
+               "cls.predictions.transform.dense.bias": zeros(hidden),
+               "cls.predictions.transform.LayerNorm.weight": torch.ones(hidden, dtype=word.dtype),
+               "cls.predictions.transform.LayerNorm.bias": zeros(hidden),
+               "cls.seq_relationship.weight": zeros(2, hidden), "cls.seq_relationship.bias": zeros(2)})
+    pooler = "bert.pooler.dense.weight" in sd
+    if not pooler:
+        sd.update({"bert.pooler.dense.weight": eye.clone(), "bert.pooler.dense.bias": zeros(hidden)})
+    return ["a BertModel without pre-training heads: its masked-LM head is a placeholder (identity transform, zero "
+            "vocabulary bias) and its sentence-relationship head zeros" + ("" if pooler else ", its pooler identity")
+            + "; fine-tune it (tasks/main.py) - the pre-trained encoder" + (" and pooler" if pooler else "")
+            + " are the real weights"]
 
 
 def load_hf_bert(model_dir: str, make_vocab_size_divisible_by: int = 128):

@@ -7,6 +7,8 @@ a family, not new conversion code. :class:`ModelDims` carries the sizes that fix
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -263,6 +265,15 @@ BERT = ModelFamily(
     optional_groups=[("embedding.tokentype_embeddings.weight", "pooler.dense.weight", "pooler.dense.bias",
                       "binary_head.weight", "binary_head.bias")],
 )
+
+# a fine-tuned BERT (``megatron/core/models/bert_heads.py``): the encoder, the pooler and one task head, replicated
+# over tensor-parallel ranks; no pre-training heads
+BERT_FINETUNED = dataclasses.replace(
+    BERT, name="BERT-finetuned",
+    last_stage=["encoder.final_layernorm.weight", "encoder.final_layernorm.bias", "pooler.dense.weight",
+                "pooler.dense.bias", "classification_head.weight", "classification_head.bias",
+                "multichoice_head.weight", "multichoice_head.bias"],
+    vocab_params=("embedding.word_embeddings.weight",), shapes=None, megatron_last_stage=[], optional_groups=[])
 
 _FAMILIES: Dict[str, ModelFamily] = {"GPT": GPT, "BERT": BERT}
 

@@ -102,7 +102,8 @@ class BertModel(nn.Module):
     """One pipeline chunk of a BERT: ``pre_process`` holds the embedding, ``post_process`` the heads and loss.
 
     ``num_tokentypes`` is 2 with the binary head and 0 without it (as Megatron builds it); ``add_binary_head``
-    adds the pooler and the 2-way NSP/SOP classifier.
+    adds the pooler and the 2-way NSP/SOP classifier; ``add_lm_head=False`` leaves the masked-LM head out (a
+    fine-tuning model adds its own heads on ``encode()``'s output, ``bert_heads.py``).
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class BertModel(nn.Module):
         num_tokentypes: int = 2,
         add_binary_head: bool = True,
         use_torch_compile: bool = False,
+        add_lm_head: bool = True,
     ):
         super().__init__()
         if config.attention_mask_type != "padding":
@@ -140,7 +142,7 @@ class BertModel(nn.Module):
         n = config.num_layers if num_layers is None else num_layers
         self.encoder = TransformerBlock(config, pstate, n, post_layer_norm=post_process,
                                         use_torch_compile=use_torch_compile)
-        if post_process:
+        if post_process and add_lm_head:
             self.lm_head = BertLMHead(config)
             vocab_part = config.padded_vocab_size // pstate.tp_size
             dev, dt = default_device(), config.params_dtype
@@ -153,10 +155,10 @@ class BertModel(nn.Module):
                 tensor_parallel.set_tensor_model_parallel_attributes(self.output_layer.weight, True, 0, 1)
                 if tied:
                     self.output_layer.weight.shared_embedding = True
-            if add_binary_head:
-                self.pooler = Pooler(config, pstate)
-                self.binary_head = _linear(config, config.hidden_size, 2)
-        if pre_process and tied and pstate.pp_size > 1:
+        if post_process and add_binary_head:
+            self.pooler = Pooler(config, pstate)
+            self.binary_head = _linear(config, config.hidden_size, 2)
+        if pre_process and tied and pstate.pp_size > 1 and add_lm_head:
             self.embedding.word_embeddings.weight.shared_embedding = True
 
     # ---- pipeline plumbing -----------------------------------------------------------------------------
@@ -191,6 +193,17 @@ class BertModel(nn.Module):
         unmasked position. The loss over the masked positions is the same; the largest GEMM and the fp32 softmax
         buffer shrink from ``s`` to ``k`` rows per sample, with shapes fixed by ``k`` alone.
         """
+        hidden = self.encode(input_ids, attention_mask, tokentype_ids)
+        if not self.post_process:
+            return hidden
+        binary_logits = self.binary_head(self.pooler(hidden)) if self.add_binary_head else None  # [b, 2]
+        lm = self._lm_output(self.lm_head(hidden), lm_labels, lm_loss_mask, max_masked_positions)
+        return lm, binary_logits
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+               tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Embedding (first stage) or the previous stage's activations, then this chunk's layers (and the final
+        LayerNorm on the last stage): ``[s(/tp), b, h]``. Arguments as ``forward``."""
         padding = None
         if attention_mask is not None:
             b, s = attention_mask.shape
@@ -203,12 +216,7 @@ class BertModel(nn.Module):
             if self.input_tensor is None:
                 raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
             hidden = self.input_tensor
-        hidden = self.encoder(hidden, padding)
-        if not self.post_process:
-            return hidden
-        binary_logits = self.binary_head(self.pooler(hidden)) if self.add_binary_head else None  # [b, 2]
-        lm = self._lm_output(self.lm_head(hidden), lm_labels, lm_loss_mask, max_masked_positions)
-        return lm, binary_logits
+        return self.encoder(hidden, padding)
 
     def _lm_output(self, hidden: torch.Tensor, labels: Optional[torch.Tensor],
                    loss_mask: Optional[torch.Tensor] = None, max_masked: Optional[int] = None) -> torch.Tensor:

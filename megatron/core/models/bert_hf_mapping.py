@@ -12,7 +12,9 @@ Two Hugging Face layouts map onto one model:
 Both convert to full (unsharded) state dicts; Hugging Face's separate query/key/value become the fused
 ``linear_qkv`` with per-head ``[q k v]`` rows, and the vocabulary is zero-padded to ``padded_vocab_size``.
 A model without the binary head (no pooler, sentence-relationship head or token-type embedding) maps to the
-masked-LM classes (``BertForMaskedLM`` / ``MegatronBertForMaskedLM``) with one zero token-type row. Whole
+masked-LM classes (``BertForMaskedLM`` / ``MegatronBertForMaskedLM``) with one zero token-type row.
+``encoder_to_hf_bert`` maps the encoder alone (embeddings, layers, pooler): what a fine-tuned model exports under
+its classifier (``hf_bert.save_hf_bert_finetuned``). Whole
 checkpoint folders (config, tokenizer, any TP/PP) are ``megatron/core/checkpoint_formats/hf_bert.py``.
 """
 
@@ -73,8 +75,8 @@ def _layernorm_pairs(num_layers: int, post_ln: bool):
     return pairs + [("encoder.final_layernorm", f"{layer}{num_layers - 1}.output.LayerNorm")]
 
 
-def _linear_pairs(num_layers: int, binary_head: bool = True):
-    """(ours, Hugging Face's) prefixes of every linear except the fused QKV."""
+def _layer_linear_pairs(num_layers: int):
+    """(ours, Hugging Face's) prefixes of every layer's linears except the fused QKV."""
     layer = "bert.encoder.layer."
     pairs = []
     for i in range(num_layers):
@@ -82,9 +84,18 @@ def _linear_pairs(num_layers: int, binary_head: bool = True):
         pairs += [(ours + "self_attention.linear_proj", f"{layer}{i}.attention.output.dense"),
                   (ours + "mlp.linear_fc1", f"{layer}{i}.intermediate.dense"),
                   (ours + "mlp.linear_fc2", f"{layer}{i}.output.dense")]
+    return pairs
+
+
+_POOLER = ("pooler.dense", "bert.pooler.dense")
+
+
+def _linear_pairs(num_layers: int, binary_head: bool = True):
+    """(ours, Hugging Face's) prefixes of every linear except the fused QKV."""
+    pairs = _layer_linear_pairs(num_layers)
     pairs += [("lm_head.dense", _PRED + "transform.dense"), ("lm_head.layer_norm", _PRED + "transform.LayerNorm")]
     if binary_head:
-        pairs += [("pooler.dense", "bert.pooler.dense"), ("binary_head", "cls.seq_relationship")]
+        pairs += [_POOLER, ("binary_head", "cls.seq_relationship")]
     return pairs
 
 
@@ -139,19 +150,35 @@ def megatron_to_hf_bert(state: Dict[str, torch.Tensor], num_layers: int, num_hea
     if binary != ("embedding.tokentype_embeddings.weight" in state):
         raise ValueError("the binary head and the token-type embedding come together (2 token types with the "
                          "binary head, none without it)")
+    out = encoder_to_hf_bert(state, num_layers, num_heads, vocab_size, post_ln)
+    out[_PRED + "bias"] = state["output_layer.bias"][:vocab_size]
+    out[_PRED + "decoder.weight"] = state.get("output_layer.weight", state["embedding.word_embeddings.weight"])[
+        :vocab_size]
+    out[_PRED + "decoder.bias"] = out[_PRED + "bias"]
+    pairs = [("lm_head.dense", _PRED + "transform.dense"), ("lm_head.layer_norm", _PRED + "transform.LayerNorm")]
+    for ours, theirs in pairs + ([("binary_head", "cls.seq_relationship")] if binary else []):
+        for leaf in ("weight", "bias"):
+            out[f"{theirs}.{leaf}"] = state[f"{ours}.{leaf}"]
+    return out
+
+
+def encoder_to_hf_bert(state: Dict[str, torch.Tensor], num_layers: int, num_heads: int, vocab_size: int,
+                       post_ln: bool) -> Dict[str, torch.Tensor]:
+    """The ``bert.*`` tensors of our full state dict: embeddings (one zero token-type row when the model has no
+    token types), the layers, and the pooler when the model has one."""
     word = state["embedding.word_embeddings.weight"][:vocab_size]
-    types = (state["embedding.tokentype_embeddings.weight"] if binary
-             else word.new_zeros((1, word.shape[1])))  # [1, h]: HF adds token type 0 to every token
+    types = state.get("embedding.tokentype_embeddings.weight")
+    if types is None:
+        types = word.new_zeros((1, word.shape[1]))  # [1, h]: HF adds token type 0 to every token
     out = {
         _EMB + "word_embeddings.weight": word,
         _EMB + "position_embeddings.weight": state["embedding.position_embeddings.weight"],
         _EMB + "token_type_embeddings.weight": types,
-        _PRED + "bias": state["output_layer.bias"][:vocab_size],
-        _PRED + "decoder.weight": state.get("output_layer.weight", state["embedding.word_embeddings.weight"])[
-            :vocab_size],
     }
-    out[_PRED + "decoder.bias"] = out[_PRED + "bias"]
-    for ours, theirs in _layernorm_pairs(num_layers, post_ln) + _linear_pairs(num_layers, binary):
+    pairs = _layernorm_pairs(num_layers, post_ln) + _layer_linear_pairs(num_layers)
+    if "pooler.dense.weight" in state:
+        pairs.append(_POOLER)
+    for ours, theirs in pairs:
         for leaf in ("weight", "bias"):
             out[f"{theirs}.{leaf}"] = state[f"{ours}.{leaf}"]
     for i in range(num_layers):
