@@ -5,7 +5,10 @@
 # tokens and 256 special ones). The model flags are Megatron-LM's Llama-3 block as its scripts write it; Llama 3.2
 # 1B itself ties its output layer to the embedding: leave out --untie-embeddings-and-output-weights for that.
 # Check memory and speed first with --dry-run (no GPU touched):  DRY_RUN=1 bash examples/pretrain_llama.sh
-# Usage: DATA=/path/corpus_text_document TOKENIZER=/path/tokenizer.json bash examples/pretrain_llama.sh
+# Usage: DATA=/path/corpus_text_document TOKENIZER=/path/tokenizer.json bash examples/pretrain_llama.sh [FLAGS]
+# FLAGS after the script's name override its own (the last value of a flag counts): a tiny model on CPU, say, is
+#   GPUS=1 ... bash examples/pretrain_llama.sh --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
+#       --num-query-groups 2 --ffn-hidden-size 128 --seq-length 64 --global-batch-size 8 --train-iters 30
 # (the data preprocessed with the same tokenizer: tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer
 #  --tokenizer-model "$TOKENIZER" --append-eod ...)
 set -euo pipefail
@@ -40,7 +43,7 @@ OUTPUT=(
 )
 if [[ -n "${DRY_RUN:-}" ]]; then
     exec python pretrain_gpt.py "${LLAMA3_MODEL_ARGS[@]}" "${SIZES[@]}" "${TRAINING[@]}" "${DATA_ARGS[@]}" \
-        "${OUTPUT[@]}" --dry-run "${GPUS:-8}"
+        "${OUTPUT[@]}" "$@" --dry-run "${GPUS:-8}"
 fi
 torchrun --nproc_per_node "${GPUS:-8}" pretrain_gpt.py \
-    "${LLAMA3_MODEL_ARGS[@]}" "${SIZES[@]}" "${TRAINING[@]}" "${DATA_ARGS[@]}" "${OUTPUT[@]}"
+    "${LLAMA3_MODEL_ARGS[@]}" "${SIZES[@]}" "${TRAINING[@]}" "${DATA_ARGS[@]}" "${OUTPUT[@]}" "$@"

@@ -94,18 +94,20 @@ def losses(argv: List[str], nproc: int = 1, **kw) -> Dict[int, dict]:
 
 
 def outputs_of_many(argvs: Sequence[List[str]], nproc: int = 1, script: str = "pretrain_gpt.py",
-                    timeout_per_run: int = 600) -> List[str]:
+                    timeout_per_run: int = 600, driver: Optional[str] = None) -> List[str]:
     """The standard output of each run (all ranks), from one launch that runs them one after another
     (tests/functional/run_many.py): one start-up of Python, torch and the process group for all of them. Every
     run must succeed; the first failure raises with that run's output. The launch may take ``timeout_per_run``
-    seconds per run, as many as separate launches would."""
+    seconds per run, as many as separate launches would. ``driver``: a Python file that launches the program its
+    arguments name (as ``python driver.py run_many.py JOBS.json``), to change what the runs print."""
     with tempfile.TemporaryDirectory() as tmp:
         runs = [{"argv": list(argv), "out": os.path.join(tmp, f"run{i}")} for i, argv in enumerate(argvs)]
         jobs = os.path.join(tmp, "jobs.json")
         with open(jobs, "w") as f:
             json.dump({"script": script, "runs": runs}, f)
-        proc = run_pretrain([jobs], nproc=nproc, timeout=timeout_per_run * len(argvs), expect_ok=False,
-                            script=os.path.join("tests", "functional", "run_many.py"))
+        many = os.path.join(ROOT, "tests", "functional", "run_many.py")
+        proc = run_pretrain([many, jobs] if driver else [jobs], nproc=nproc, timeout=timeout_per_run * len(argvs),
+                            expect_ok=False, script=driver or many, env={"PYTHONPATH": ROOT} if driver else None)
 
         def read(run: dict, suffix: str) -> Optional[str]:
             parts = []

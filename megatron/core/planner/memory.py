@@ -112,6 +112,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str, device:
     --hidden-dropout > 0, none with the fused bias-dropout-add on CUDA (it regenerates its mask from a seed).
     Selective recomputation drops the GeLU output (mlp_act) and the attention statistics (core_attn); the unfused
     attention adds the softmax output 2as^2b/t and with attention dropout its mask and output (2 + m + 2)as^2b/t.
+    Query/key norms (--qk-layernorm) or RoPE make new q and k tensors (the attention's inputs) of 2s(q + k)b/t, and
+    each RoPE rotation of q and of k keeps its fp32 cosines and sines, 4 x 4 s r per layer (r rotated channels).
     FP8 GEMMs keep 1-byte copies of their inputs: LayerNorm outputs 2sbh (gathered under SP), attention output
     sbh/t (its 16-bit copy is kept only when the attention core is not recomputed), GeLU output sbf/t, plus the
     transposed FP8 weights. Full recomputation keeps the layer input only: 2sbh /t*.
@@ -132,8 +134,11 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, mode: str, device:
     total = 2 * act * sbh / sp_div + 2 * 2 * stat * s * b / sp_div  # LayerNorm inputs and statistics
     total += 2 * sbh if fp8 else 2 * act * sbh / sp_div  # LayerNorm outputs (FP8: gathered 1-byte copies)
     total += act * s * b * qkv / t  # q, k, v (grouped-query attention: fewer k, v)
-    if shape.qk_layernorm:
-        total += act * s * b * (shape.query_projection_size + shape.kv_projection_size) / t  # the q, k norm inputs
+    if shape.qk_layernorm or shape.position_embedding_type == "rope":
+        # the q and k the attention reads are new tensors (normalised and/or rotated), not views of the QKV output
+        total += act * s * b * (shape.query_projection_size + shape.kv_projection_size) / t
+    if shape.position_embedding_type == "rope":
+        total += 4 * 4 * s * int(shape.kv_channels * shape.rotary_percent)  # fp32 cos and sin of the q and k rotations
     if fp8:
         total += sbh / t + (0 if core else act * sbh / t)  # 1-byte projection input; 16-bit attention output
     else:

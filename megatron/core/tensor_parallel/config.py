@@ -8,13 +8,17 @@ from typing import Optional
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearConfig:
-    params_dtype: torch.dtype = torch.float32
+    """The linear layers' options; ``TransformerConfig`` inherits them (keyword-only, so they may follow the
+    model description's required fields)."""
+
+    params_dtype: torch.dtype = torch.float32  # dtype of the parameters (bf16/fp16 under mixed precision)
     sequence_parallel: bool = False
-    # the weight-gradient GEMM accumulates into the fp32 main_grad buffer (CUDA; fusions/linear.py)
+    # the weight-gradient GEMM accumulates straight into the fp32 main_grad buffer (CUDA; fusions/linear.py)
     gradient_accumulation_fusion: bool = True
-    # FP8 GEMMs: None or one of fusions.fp8.FP8_FORMATS, with its scaling options
+    # FP8 GEMMs: None or one of fusions.fp8.FP8_FORMATS, with its scaling options: "tensorwise" (each operand
+    # scaled by its own current amax) or "delayed" (by its amax history; fusions/fp8.py)
     fp8: Optional[str] = None
     fp8_margin: int = 0
     fp8_recipe: str = "tensorwise"

@@ -5,25 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import torch
-
 from megatron.core.fusions.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatron.core.model_spec import ATTENTION_MASK_TYPES, ModelSpec  # noqa: F401  (re-exported)
+from megatron.core.tensor_parallel.config import LinearConfig
 
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "unfused")
 
 
 @dataclass(frozen=True)
-class TransformerConfig(ModelSpec):
+class TransformerConfig(ModelSpec, LinearConfig):
     """The model's description (``ModelSpec``, whose fields it inherits) plus the runtime switches of its layers:
-    dropout, initialisation, dtype, parallelism, recomputation, kernels and FP8. ``.spec`` is the plain spec."""
+    dropout, initialisation, recomputation, kernels, and the linear layers' dtype, sequence parallelism and FP8
+    (``LinearConfig``, whose fields it inherits). ``.spec`` is the plain spec."""
 
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
-    params_dtype: torch.dtype = torch.float32  # dtype of the model's parameters (bf16/fp16 under mixed precision)
-    sequence_parallel: bool = False
     # activation recomputation: None | "selective" | "full"; method "uniform" | "block"
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -39,15 +37,6 @@ class TransformerConfig(ModelSpec):
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
     layernorm_fusion: bool = True
-    # weight-gradient GEMMs accumulate straight into the fp32 main_grad buffer (CUDA; a no-op elsewhere)
-    gradient_accumulation_fusion: bool = True
-    # FP8 GEMMs in the transformer layers' linears: None or one of fp8.FP8_FORMATS (megatron/core/fusions/fp8.py)
-    fp8: Optional[str] = None
-    fp8_margin: int = 0
-    # "tensorwise" (each operand scaled by its own current amax) or "delayed" (by its amax history; fp8.py)
-    fp8_recipe: str = "tensorwise"
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,15 +11,17 @@ from megatron.core.planner import Layout, ModelShape
 from megatron.core.planner.memory import in_flight_peak, layer_activation_bytes
 from megatron.core.transformer.block import TransformerBlock
 from megatron.core.transformer.config import TransformerConfig
+from megatron.core.transformer.rope import RotaryEmbedding
 from tests.dist_utils import run_distributed
 
 S, B = 64, 2
 
 
 def saved_bytes_per_layer(pstate, h, a, ffn, layout: Layout, dropout: float, layers: int = 2,
-                          attention_dropout: float = 0.0, s: int = S) -> float:
+                          attention_dropout: float = 0.0, s: int = S, **options) -> float:
     """Bytes of the distinct storages autograd saves in one forward pass of a block, parameters excluded (a
-    storage shared by several saved tensors, e.g. q, k and v as views of one QKV output, counts once)."""
+    storage shared by several saved tensors, e.g. q, k and v as views of one QKV output, counts once). ``options``:
+    further model options (TransformerConfig fields); with RoPE the block gets the angles the model computes."""
     tensor_parallel.model_parallel_seed(1234, pstate)
     mode = layout.recompute_granularity
     cfg = TransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, ffn_hidden_size=ffn,
@@ -29,8 +31,12 @@ def saved_bytes_per_layer(pstate, h, a, ffn, layout: Layout, dropout: float, lay
                             recompute_granularity=mode, recompute_method="uniform" if mode == "full" else None,
                             recompute_num_layers=1 if mode == "full" else None,
                             recompute_modules=layout.recompute_modules,
-                            fp8="hybrid" if layout.precision == "fp8" else None)
+                            fp8="hybrid" if layout.precision == "fp8" else None, **options)
     block = TransformerBlock(cfg, pstate, layers, post_layer_norm=False)
+    rotary = None
+    if cfg.position_embedding_type == "rope":
+        rope = RotaryEmbedding(cfg)
+        rotary = rope(rope.positions(s, None, torch.device("cpu")))
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0.0, 0.02)
@@ -46,14 +52,14 @@ def saved_bytes_per_layer(pstate, h, a, ffn, layout: Layout, dropout: float, lay
 
     x = torch.randn(s // pstate.tp_size if layout.sp else s, B, h, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x)
+        out = block(x, rotary_pos_emb=rotary)
     out.float().sum().backward()
     return sum(seen.values()) / layers
 
 
-def _predicted(h, a, ffn, layout, dropout, attention_dropout=0.0, s=S, device="cpu"):
+def _predicted(h, a, ffn, layout, dropout, attention_dropout=0.0, s=S, device="cpu", **options):
     shape = ModelShape(num_layers=2, hidden_size=h, num_attention_heads=a, ffn_hidden_size=ffn, seq_length=s,
-                       attention_dropout=attention_dropout, hidden_dropout=dropout)
+                       attention_dropout=attention_dropout, hidden_dropout=dropout, **options)
     mode = {None: "none"}.get(layout.recompute_granularity, layout.recompute_granularity)
     return layer_activation_bytes(shape, layout, mode, device)
 
@@ -77,6 +83,24 @@ def test_layer_activation_bytes_match_autograd(h, a, ffn, rc, modules, prec, dro
                     recompute_method="uniform" if rc == "full" else None, recompute_modules=modules)
     measured = saved_bytes_per_layer(ParallelState.single(), h, a, ffn, layout, dropout)
     assert _predicted(h, a, ffn, layout, dropout) == measured
+
+
+@pytest.mark.parametrize("rotary_percent,qk_layernorm,rc", [(1.0, False, None), (0.5, False, "selective"),
+                                                           (1.0, True, None)])
+def test_rope_activation_bytes_match_autograd(rotary_percent, qk_layernorm, rc):
+    """RoPE's rotated queries and keys and its cosines and sines (alone, and after query/key norms)."""
+    layout = Layout(micro_batch_size=B, recompute_granularity=rc, attention_backend="unfused")
+    options = dict(position_embedding_type="rope", rotary_percent=rotary_percent, rotary_base=500000)
+    measured = saved_bytes_per_layer(ParallelState.single(), 64, 4, None, layout, 0.0, **options)
+    predicted = _predicted(64, 4, None, layout, 0.0, **options)
+    if qk_layernorm:  # the query/key norms' own statistics (not modelled): 2 x 2 bytes per head and position
+        options["qk_layernorm"] = True
+        measured = saved_bytes_per_layer(ParallelState.single(), 64, 4, None, layout, 0.0, **options)
+        predicted = _predicted(64, 4, None, layout, 0.0, **options) + 2 * 2 * 2 * S * B * 4
+    assert predicted == measured
+    no_rope = saved_bytes_per_layer(ParallelState.single(), 64, 4, None, layout, 0.0,
+                                    **{k: v for k, v in options.items() if k == "qk_layernorm"})
+    assert measured > no_rope  # the rotation is applied
 
 
 # ---- Korthikanti et al. 2022 ---------------------------------------------------------------------------------
