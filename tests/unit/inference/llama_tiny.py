@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
 
-from megatron.core.inference import InferenceEngine, SamplingParams, load_gpt_for_inference
+from megatron.core.checkpoint_formats.common import SPEC_KEY
+from megatron.core.checkpoint_formats.hf_llama import from_hf_llama
+from megatron.core.inference import InferenceEngine, SamplingParams, load_gpt_for_inference, save_gpt_checkpoint
+from megatron.core.model_spec import ModelSpec
+from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
+from megatron.core.transformer.config import TransformerConfig
 
 WORDS = ("the a of and to in is was he she it they we king queen lord lady crown sword tower night day love death "
          "heart blood fair sweet sorrow speak come go see hear know tell give take make stand fall rise bring "
          "keep leave call find , . ! ? ; :").split()
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 SEQ = 64
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def write_tokenizer(folder: str) -> str:
@@ -47,6 +48,18 @@ def write_tokenizer(folder: str) -> str:
 
 def vocab_size() -> int:
     return 3 + len(WORDS)
+
+
+def spec(kind: str, padded_vocab_size: int) -> ModelSpec:
+    """Our description of the Hugging Face model ``hf_model(kind)`` builds."""
+    common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=padded_vocab_size,
+                  normalization="RMSNorm", layernorm_epsilon=1e-5, position_embedding_type="rope",
+                  gated_linear_unit=True, activation="silu", add_bias_linear=False)
+    if kind == "llama":
+        return ModelSpec(rotary_base=500000, use_rope_scaling=True, share_embeddings_and_output_weights=False,
+                         **common)
+    return ModelSpec(rotary_base=1000000, add_qkv_bias=True, share_embeddings_and_output_weights=True, **common)
 
 
 def hf_model(kind: str):
@@ -76,17 +89,16 @@ def hf_model(kind: str):
 
 
 def write_checkpoint(kind: str, hf, root: str, tokenizer_folder: str) -> str:
-    """The Hugging Face model saved as a Hugging Face folder (with the tokenizer's files) and converted into our
-    checkpoint layout by ``tools/checkpoint/convert.py --loader hf``, as a user converts one."""
-    hf_dir = root + "_hf"
-    hf.save_pretrained(hf_dir)
-    for name in os.listdir(tokenizer_folder):
-        shutil.copy(os.path.join(tokenizer_folder, name), hf_dir)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py"), "--model-type",
-                           "GPT", "--loader", "hf", "--saver", "ours", "--load-dir", hf_dir, "--save-dir", root],
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    """The Hugging Face model's weights in our checkpoint layout (one rank), with its description and tokenizer."""
+    model_spec = spec(kind, padded_vocab_size=128)
+    full = from_hf_llama({k: v.detach() for k, v in hf.state_dict().items()}, model_spec, 128)
+    ours = GPTModel(TransformerConfig.from_spec(model_spec, attention_dropout=0.0, hidden_dropout=0.0),
+                    ParallelState.single())
+    ours.load_state_dict(full, strict=True)
+    args = {SPEC_KEY: model_spec.to_dict(), "padded_vocab_size": 128, "params_dtype": "float32",
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_folder}
+    save_gpt_checkpoint(root, 1, [ours], args)
     return root
 
 
