@@ -53,6 +53,20 @@ def hf_classifier(model_dir: str, classes: int, seed: int, init_std: float = 0.0
     return model
 
 
+def hf_multiple_choice(model_dir: str, seed: int, init_std: float = 0.02, dropout: float = 0.1):
+    """The Hugging Face BERT of ``model_dir`` as ``BertForMultipleChoice`` (one logit per option), its scorer drawn
+    as ``tasks/main.py --task RACE`` draws its ``multichoice_head``."""
+    import transformers
+
+    model = transformers.BertForMultipleChoice.from_pretrained(
+        model_dir, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation="eager")
+    w, b = initial_classifier(seed, model.config.hidden_size, 1, init_std, name="multichoice_head")
+    with torch.no_grad():
+        model.classifier.weight.copy_(w)
+        model.classifier.bias.copy_(b)
+    return model
+
+
 def _inputs(dataset, idx, device) -> dict:
     batch = dataset.batch(idx)
     return ({"input_ids": torch.from_numpy(batch["text"]).to(device),

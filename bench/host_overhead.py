@@ -118,8 +118,9 @@ def ops_per_layer(model: str) -> dict:
         block = TransformerBlock(cfg, ParallelState(), num_layers=layers, post_layer_norm=False)
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        x = torch.randn(s["seq"], s["batch"], s["hidden"], requires_grad=True)
-        mask = None if model == "gpt" else torch.zeros(s["batch"], 1, 1, s["seq"], dtype=torch.bool)
+        dev = next(block.parameters()).device  # the current CUDA device when there is one
+        x = torch.randn(s["seq"], s["batch"], s["hidden"], device=dev, requires_grad=True)
+        mask = None if model == "gpt" else torch.zeros(s["batch"], 1, 1, s["seq"], dtype=torch.bool, device=dev)
         block(x, mask).sum().backward()  # warm the lazy paths
         with OpCounter() as counter:
             block(x, mask).sum().backward()

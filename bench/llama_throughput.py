@@ -105,7 +105,7 @@ def python_for(specs: list) -> dict:
         if not sep or not path:
             raise SystemExit(f"--python {spec!r}: expected TRAINER[,TRAINER]=PATH")
         for name in comma_choices("--python", names, [t for t in TRAINERS if not t.startswith("ours")]):
-            out[name] = path
+            out[name] = os.path.abspath(path)  # the runs start in a temporary folder
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             raise SystemExit(f"--python {spec!r}: {path} is not an executable file")
     return out

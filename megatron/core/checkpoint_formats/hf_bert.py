@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -181,10 +181,12 @@ _FINETUNED_HEADS = {"classification_head": "ForSequenceClassification", "multich
 
 def save_hf_bert_finetuned(out_dir: str, full: Dict[str, torch.Tensor], dims: ModelDims, post_ln: bool,
                            vocab_file: Optional[str] = None, lower_case: bool = True,
-                           dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02) -> List[str]:
+                           dropout: Tuple[float, float] = (0.0, 0.0), init_std: float = 0.02,
+                           labels: Optional[Sequence[str]] = None) -> List[str]:
     """Write a fine-tuned BERT (encoder, pooler and ``classification_head`` or ``multichoice_head``) as
     ``BertForSequenceClassification`` / ``BertForMultipleChoice`` (post-LN) or their ``MegatronBert`` classes
-    (pre-LN): ``config.json`` (``num_labels``), ``model.safetensors`` and, given a ``vocab.txt``, the tokenizer."""
+    (pre-LN): ``config.json`` (``num_labels``; ``labels``, the classes' names, as ``id2label``),
+    ``model.safetensors`` and, given a ``vocab.txt``, the tokenizer."""
     import transformers
 
     heads = [h for h in _FINETUNED_HEADS if f"{h}.weight" in full]
@@ -205,6 +207,12 @@ def save_hf_bert_finetuned(out_dir: str, full: Dict[str, torch.Tensor], dims: Mo
     cfg.pop("architectures"), cfg.pop("model_type"), cfg.pop("tie_word_embeddings")
     if head == "classification_head":
         cfg["num_labels"] = int(full[f"{head}.weight"].shape[0])
+        if labels is not None:
+            if len(labels) != cfg["num_labels"]:
+                raise CheckpointFormatError(f"the classifier has {cfg['num_labels']} classes, the task's label names "
+                                            f"are {len(labels)}: {', '.join(labels)}")
+            cfg["id2label"] = dict(enumerate(labels))
+            cfg["label2id"] = {name: i for i, name in enumerate(labels)}
     arch = ("Bert" if post_ln else "MegatronBert") + _FINETUNED_HEADS[head]
     config_cls = transformers.BertConfig if post_ln else transformers.MegatronBertConfig
     model = getattr(transformers, arch)(config_cls(**cfg))

@@ -36,6 +36,8 @@ QQP_LABELS = {"0": 0, "1": 1}
 RACE_CHOICES = 4
 RACE_MAX_QA_LENGTH = 128
 TASKS = {"MNLI": len(MNLI_LABELS), "QQP": len(QQP_LABELS), "RACE": RACE_CHOICES}  # task -> classes or choices
+# class i's name, as GLUE names them (the exported Hugging Face config's id2label)
+LABEL_NAMES = {"MNLI": tuple(sorted(MNLI_LABELS, key=MNLI_LABELS.get)), "QQP": ("not_duplicate", "duplicate")}
 
 
 class FinetuneDataError(ValueError):
