@@ -146,8 +146,9 @@ def test_export_gives_the_runs_predictions_in_hugging_face(tiny_task, one_proces
 def test_starts_from_a_pretrain_bert_checkpoint_and_trains_in_bf16_and_fp16(tiny_task, tmp_path):
     """A ``pretrain_bert.py`` checkpoint (with its MLM and sentence-order heads and optimizer state) as
     --pretrained-checkpoint: at lr 0 the fine-tuned checkpoint holds its encoder and pooler unchanged, without the
-    pretraining heads and with the classifier; from it, --bf16 and --fp16 (--initial-loss-scale 1024) runs track
-    the fp32 run's loss at every iteration (1e-2 relative) and skip no iteration."""
+    pretraining heads and with the classifier; a model flag that contradicts it is refused in one line; from it,
+    --bf16 and --fp16 (--initial-loss-scale 1024) runs track the fp32 run's loss at every iteration (1e-2
+    relative) and skip no iteration."""
     import torch
 
     from megatron.core.checkpoint_formats import read_our_checkpoint
@@ -174,6 +175,14 @@ def test_starts_from_a_pretrain_bert_checkpoint_and_trains_in_bf16_and_fp16(tiny
     assert "pooler.dense.weight" in shared and len(shared) > 20
     for k in shared:
         assert torch.equal(before[k], after[k]), k
+    # a model flag that contradicts the checkpoint: one line naming the flag and both values, nothing written
+    at = ft.index("--hidden-size") + 1
+    bad = run_pretrain(ft[:at] + ["32"] + ft[at + 1:] + ["--lr", "1e-3", "--save", str(tmp_path / "bad")],
+                       script="tasks/main.py", expect_ok=False)
+    assert bad.returncode != 0
+    assert (f"--hidden-size 32 differs from the pre-trained checkpoint's 64 (--pretrained-checkpoint {pre})"
+            in bad.stdout + bad.stderr)
+    assert not os.path.exists(tmp_path / "bad" / "latest_checkpointed_iteration.txt")
     ref = parse_iterations(run_pretrain(ft + ["--lr", "2e-3"], script="tasks/main.py").stdout)
     assert sorted(ref) == list(range(1, 7))
     for flags in (["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]):
