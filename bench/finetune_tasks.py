@@ -28,7 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from finetune_mnli import extract_minilm, head_of  # noqa: E402
+from finetune_mnli import device_line, extract_minilm, head_of  # noqa: E402
 
 ACC = re.compile(r"\|epoch: 0\| metrics for (\S+): correct / total = (\d+) / (\d+) = ([0-9.]+) %")
 
@@ -109,10 +109,7 @@ def main() -> None:
         "command_tasks_main": " ".join(cmd[1:]).replace(work, "$WORK"),
     }
     out = a.out or os.path.join(ROOT, "bench", "results", f"finetune_{a.task.lower()}")
-    import torch
-    where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if a.device == "cuda"
-             else f"CPU, {a.threads} thread(s), torch {torch.__version__}")
-    result["device"] = where
+    where = result["device"] = device_line(a.device, a.threads)
     with open(out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(out + ".md", "w") as f:

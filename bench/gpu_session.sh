@@ -39,7 +39,8 @@
 #                                                   FINETUNE_DATA: the folder of mnli/, qqp/, race/: ~5 min
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 # PEERS (llama-*): space-separated TRAINER[,TRAINER]=PYTHON for bench/llama_throughput.py --python, e.g.
-#   PEERS="megatron-core,torchtitan,torchtitan-fp8=scratch/peers/bin/python" (bench/README.md: the wheels to carry)
+#   PEERS="megatron-core,torchtitan,torchtitan-fp8=scratch/peers/python" (bench/README.md: the wheels to carry and
+#   the wrapper that runs them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b, memory,

@@ -20,7 +20,7 @@ BENCH = os.path.join(ROOT, "bench")
 MAINTAINED = ["gpu_throughput.py", "minimal_gpt.py", "multi_gpu.py", "memory.py", "optimizer_memory.py",
               "optimizer_step.py", "attention_backends.py", "preprocess_throughput.py", "kernel_sweep.py",
               "ab_trees.py", "zero_shot.py", "host_overhead.py", "sp_memory_paper.py", "sp_backward_gather.py",
-              "llama_throughput.py", "llama_peers.py"]
+              "llama_throughput.py", "llama_peers.py", "finetune_mnli.py", "finetune_tasks.py"]
 # a Python with megatron-core (never imported by the project itself): the Megatron-Core row of the Llama table
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON", "/work/venv-mcore/bin/python")
 
@@ -301,3 +301,62 @@ def test_gpu_session_steps_name_existing_cases():
     assert "bench/llama_throughput.py" in step and "--python" in step
     assert llama_throughput.python_for([f"torchtitan,torchtitan-fp8={sys.executable}"]) == {
         "torchtitan": sys.executable, "torchtitan-fp8": sys.executable}
+
+
+def test_finetune_benches_run_on_cpu(tmp_path):
+    """bench/finetune_mnli.py (two seeds, each one run of tasks/main.py and one of Hugging Face) and
+    bench/finetune_tasks.py --task RACE on a tiny random Hugging Face BERT folder and generated data: every run
+    counts the whole dev set, and the result files hold what the runs printed."""
+    import numpy as np
+    import transformers
+
+    words = [f"w{i}" for i in range(100)]
+    model = tmp_path / "bert"
+    model.mkdir()
+    (model / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n")
+    (model / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=105, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=512)
+    transformers.BertModel(cfg).save_pretrained(str(model))
+    rng = np.random.RandomState(0)
+    mnli = tmp_path / "mnli"
+    mnli.mkdir()
+    for name, n in (("train.tsv", 64), ("dev_matched.tsv", 12)):
+        rows = ["\t".join(["index"] + [""] * 7 + ["sentence1", "sentence2", "label1", "gold_label"])]
+        for i in range(n):
+            label = ("contradiction", "entailment", "neutral")[rng.randint(3)]
+            rows.append("\t".join([str(i)] + [""] * 7 + [" ".join(rng.choice(words, 6)), " ".join(rng.choice(words, 5)),
+                                                        label, label]))
+        (mnli / name).write_text("\n".join(rows) + "\n")
+    race = tmp_path / "race" / "RACE"
+    for split, level, files in (("train", "middle", 4), ("dev", "high", 1), ("dev", "middle", 1)):
+        (race / split / level).mkdir(parents=True)
+        for i in range(files):
+            (race / split / level / f"{i}.txt").write_text(json.dumps({
+                "article": " ".join(rng.choice(words, 30)), "questions": [" ".join(rng.choice(words, 4))] * 4,
+                "options": [[" ".join(rng.choice(words, 2)) for _ in range(4)] for _ in range(4)],
+                "answers": list("ABCD")}))
+    out = tmp_path / "mnli_result"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "finetune_mnli.py"), "--wheel", str(model), "--data",
+                           str(mnli), "--seeds", "1,2", "--out", str(out)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "mnli_result.json").read_text())
+    assert [r["seed"] for r in result["runs"]] == [1, 2] and result["train_examples"] == 64
+    for r in result["runs"]:
+        assert r["ours"]["total"] == r["hf"]["total"] == 12
+        assert len(r["ours"]["losses"]) == len(r["hf"]["losses"]) == 2  # 64 pairs, batch 32
+        assert r["difference_points"] == pytest.approx(r["ours"]["accuracy"] - r["hf"]["accuracy"], abs=1e-3)
+    assert f"| 2 | tasks/main.py | {result['runs'][1]['ours']['losses'][0]:.6f} |" in \
+        (tmp_path / "mnli_result.md").read_text()
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "finetune_tasks.py"), "--task", "RACE", "--wheel",
+                           str(model), "--data", str(tmp_path), "--train-passages", "0", "--dev-passages", "0",
+                           "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--out",
+                           str(tmp_path / "race_result")], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    race_result = json.loads((tmp_path / "race_result.json").read_text())
+    assert race_result["train_examples"] == 16 and race_result["iterations"] == 4
+    assert [(f["file"], f["total"]) for f in race_result["files"]] == [("dev_high", 4), ("dev_middle", 4)]
+    assert race_result["overall"]["total"] == 8
