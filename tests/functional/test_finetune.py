@@ -113,6 +113,30 @@ def test_parallel_layouts_equal_one_process(tiny_task, one_process):
         assert _accuracies(out) == ref_acc, layout
 
 
+def test_stopped_run_resumes_bit_exact_with_dropout(tiny_task, tmp_path):
+    """Under torchrun (DP 2, dropout 0.1): a run stopped at iteration 8 (mid-epoch, --exit-interval) and started
+    again with --load continues with the uninterrupted run's losses and grad norms, bit for bit; the two parts
+    print the uninterrupted run's validation lines and keep the same best epoch."""
+    _, files = tiny_task
+    over = {"hidden-dropout": 0.1, "attention-dropout": 0.1, "save-interval": 100}
+    ref_out = run_pretrain(_tiny_argv(files, save=str(tmp_path / "ref"), **over), nproc=2, script="tasks/main.py",
+                           timeout=300).stdout
+    ref = parse_iterations(ref_out)
+    ckpt = str(tmp_path / "run")
+    first = run_pretrain(_tiny_argv(files, save=ckpt, **over, **{"exit-interval": 8}), nproc=2,
+                         script="tasks/main.py", timeout=300).stdout
+    assert sorted(parse_iterations(first)) == list(range(1, 9))
+    second = run_pretrain(_tiny_argv(files, save=ckpt, load=ckpt, **over), nproc=2, script="tasks/main.py",
+                          timeout=300).stdout
+    got = parse_iterations(second)
+    assert sorted(got) == list(range(9, 19))
+    for it in got:
+        assert got[it]["lm loss"] == ref[it]["lm loss"] and got[it]["grad norm"] == ref[it]["grad norm"], it
+    assert _accuracies(first) + _accuracies(second) == _accuracies(ref_out)
+    best = json.load(open(os.path.join(ckpt, "best", "best.json")))
+    assert best == json.load(open(os.path.join(tmp_path / "ref", "best", "best.json")))
+
+
 def test_export_gives_the_runs_predictions_in_hugging_face(tiny_task, one_process):
     """The best checkpoint, exported, predicts in transformers what tasks/main.py counted: the correct answers and
     how many pairs fall in each class (the dev_as_C files)."""
