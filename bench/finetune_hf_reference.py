@@ -77,8 +77,9 @@ def _inputs(dataset, idx, device) -> dict:
 
 def hf_train(model, dataset, seed: int, epochs: int, global_batch: int, lr: float, warmup_fraction: float,
              weight_decay: float, clip_grad: float = 1.0, min_lr: float = 0.0, micro_batch: Optional[int] = None,
-             log=None, max_iters: Optional[int] = None) -> List[float]:
-    """Fine-tune ``model`` in place (on the device its parameters are on); returns the loss of every iteration."""
+             log=None, max_iters: Optional[int] = None, autocast: Optional[torch.dtype] = None) -> List[float]:
+    """Fine-tune ``model`` in place (on the device its parameters are on; under ``torch.autocast`` to ``autocast``
+    when given, as Hugging Face's Trainer runs ``bf16=True``); returns the loss of every iteration."""
     from megatron.training.scheduler import OptimizerParamScheduler
 
     device = next(model.parameters()).device
@@ -102,7 +103,9 @@ def hf_train(model, dataset, seed: int, epochs: int, global_batch: int, lr: floa
         total = 0.0
         for m in range(0, global_batch, micro):
             inputs, labels = _inputs(dataset, idx[m:m + micro], device)
-            loss = F.cross_entropy(model(**inputs).logits.float(), labels) * (len(labels) / global_batch)
+            with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                logits = model(**inputs).logits
+            loss = F.cross_entropy(logits.float(), labels) * (len(labels) / global_batch)
             loss.backward()
             total += loss.item()
         if clip_grad > 0:

