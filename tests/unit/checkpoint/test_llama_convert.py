@@ -1,8 +1,8 @@
 """Llama-family checkpoints through ``tools/checkpoint/convert.py`` and the trainer.
 
 References: Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (random small models, fp32 logits to 1e-5),
-and a checkpoint Megatron-Core's own ``GPTModel`` wrote at TP 2 with its logits
-(``fixtures/make_megatron_core_llama_fixture.py``; its ``load`` step recorded Megatron-Core loading what our
+and checkpoints Megatron-Core's own ``GPTModel`` wrote at TP 2 with its logits, Llama-shaped and a Qwen2-style
+twin (``fixtures/make_megatron_core_llama_fixture.py``; its ``load`` step recorded Megatron-Core loading what our
 converter writes, ``megatron_core_loads_ours.json``).
 """
 
@@ -27,6 +27,8 @@ transformers = pytest.importorskip("transformers")
 HERE = os.path.dirname(os.path.abspath(__file__))
 MCORE = os.path.join(HERE, "fixtures", "megatron_llama_tp2")
 MCORE_DIST = os.path.join(HERE, "fixtures", "megatron_llama_tp2_dist")  # the same weights, Megatron-Core's torch_dist
+# the Qwen2-style twin: QKV biases only, RoPE theta 1e6 without scaling, tied output layer (FIXTURE_VARIANT=qwen2)
+MCORE_QWEN2 = os.path.join(HERE, "fixtures", "megatron_qwen2_tp2")
 VOCAB = 100
 ROPE_LLAMA31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -112,12 +114,14 @@ def test_hugging_face_in_at_tp2_and_out_again(tmp_path, capsys, kind, architectu
             == {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
 
 
-def test_megatron_core_checkpoint_gives_its_logits_and_reshards_back_to_its_files(tmp_path, capsys):
-    """Megatron-Core's TP-2 files (per-rank [gate; up], one query group per rank) -> ours TP 1 (its golden logits)
-    -> Megatron-LM layout TP 1 x PP 2 -> ours TP 2 -> Megatron-LM layout TP 2: the last files are Megatron-Core's,
-    key for key (``_extra_state`` entries included) and tensor for tensor."""
-    golden = torch.load(os.path.join(MCORE, "golden.pt"), weights_only=True)
-    steps = [("megatron", "ours", MCORE, "ours1", "1", "1"), ("ours", "megatron", "ours1", "mg_pp2", "1", "2"),
+@pytest.mark.parametrize("fixture", [MCORE, MCORE_QWEN2], ids=["llama", "qwen2"])
+def test_megatron_core_checkpoint_gives_its_logits_and_reshards_back_to_its_files(tmp_path, capsys, fixture):
+    """Megatron-Core's TP-2 files (per-rank [gate; up], one query group per rank; for the Qwen2 twin also each
+    rank's QKV bias and a tied output layer) -> ours TP 1 (its golden logits) -> Megatron-LM layout TP 1 x PP 2 ->
+    ours TP 2 -> Megatron-LM layout TP 2: the last files are Megatron-Core's, key for key (``_extra_state``
+    entries included) and tensor for tensor; Megatron-Core loaded such files with its logits (the record)."""
+    golden = torch.load(os.path.join(fixture, "golden.pt"), weights_only=True)
+    steps = [("megatron", "ours", fixture, "ours1", "1", "1"), ("ours", "megatron", "ours1", "mg_pp2", "1", "2"),
              ("megatron", "ours", "mg_pp2", "ours_tp2", "2", "1"), ("ours", "megatron", "ours_tp2", "mg_tp2", "2", "1")]
     for loader, saver, src, dst, tp, pp in steps:
         src = src if os.path.isabs(src) else str(tmp_path / src)
@@ -129,9 +133,18 @@ def test_megatron_core_checkpoint_gives_its_logits_and_reshards_back_to_its_file
                                rtol=1e-5, atol=1e-5)
     assert sorted(d for d in os.listdir(tmp_path / "mg_pp2" / "release") if d.startswith("mp_rank_")) \
         == ["mp_rank_00_000", "mp_rank_00_001"]
-    record = json.load(open(os.path.join(MCORE, "megatron_core_loads_ours.json")))
+    record = json.load(open(os.path.join(fixture, "megatron_core_loads_ours.json")))
     assert record["max_abs_logit_difference"] == 0.0
-    for theirs, written in zip(_mcore_rank_states(MCORE), _mcore_rank_states(str(tmp_path / "mg_tp2"))):
+    assert any(k.endswith("linear_qkv.bias") for k in record["loaded_keys"]) == (fixture == MCORE_QWEN2)
+    if fixture == MCORE_QWEN2:  # and out to Hugging Face, detected as Qwen2 (biases on QKV only): the same logits
+        rc, out, err = _run(capsys, "--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir",
+                            fixture, "--save-dir", str(tmp_path / "hf"))
+        assert rc == 0 and "Qwen2ForCausalLM" in out + err, err
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager")
+        assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.config.tie_word_embeddings
+        torch.testing.assert_close(_hf_logits(hf.eval(), golden["tokens"]), golden["logits"][..., :VOCAB],
+                                   rtol=1e-5, atol=1e-5)
+    for theirs, written in zip(_mcore_rank_states(fixture), _mcore_rank_states(str(tmp_path / "mg_tp2"))):
         assert list(written["model"]) == list(theirs["model"])
         assert sorted(written["model"]) == record["loaded_keys"]  # what Megatron-Core loaded with strict=True
         for name, value in theirs["model"].items():
