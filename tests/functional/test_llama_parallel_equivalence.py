@@ -1,6 +1,6 @@
 """End to end: pretrain_gpt.py with Megatron-LM's Llama flags (RoPE θ 500000 with Llama 3.1 scaling, RMSNorm,
 SwiGLU, grouped-query attention, no biases, untied output layer, per-head query/key norms) under torchrun (gloo,
-CPU, fp32, dropout 0): TP below and equal to the number of query groups, ± SP, PP with interleaving, DP with the
+CPU, fp32, dropout 0): TP below and equal to the number of query groups, ± SP, PP with interleaving, PP 4, DP with the
 distributed optimizer (TP2×PP2×DP2 with SP) give the single-process `lm loss` and grad norm at every iteration to 5
 digits; selective and full recomputation give them exactly; bf16 and fp16 (fp32 main parameters) track them."""
 
@@ -20,6 +20,7 @@ LAYOUTS = {
     "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),  # 2 query groups per rank
     "tp4": (4, {"tp": 4}),  # one query group per rank
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    "pp4": (4, {"pipeline_model_parallel_size": 4}),  # one layer per stage; the untied output on the last
     "tp2-pp2-dp2-sp-distopt": (8, {"tp": 2, "pipeline_model_parallel_size": 2, "sequence_parallel": True,
                                    "use_distributed_optimizer": True}),
 }
