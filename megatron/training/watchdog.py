@@ -95,7 +95,7 @@ class Heartbeat:
         self.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
         self.store.set(f"rank/{self.rank}/who", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         self.iteration = 0  # set by the training loop; read by the thread
-        self.peers: dict = {}  # {rank: {"host", "pid"}}, read by the thread once every rank published its own
+        self.peers: dict = {}  # {rank: {"host", "pid"}}, filled by the thread as the ranks publish theirs
         self.store.set(f"rank/{self.rank}/beat", "0 0")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -116,15 +116,13 @@ class Heartbeat:
             store = self._client()
         except (RuntimeError, OSError):
             return
-        try:
-            self.peers = {r: json.loads(store.get(f"rank/{r}/who").decode()) for r in range(self.world)}
-        except (RuntimeError, OSError, ValueError):
-            pass  # a rank that never published: only the timeout path can name ranks then
         start = time.monotonic()
         count, last_iteration, changed_at, check_from, pending, reported = 0, self.iteration, start, start, None, False
         while not self._stop.is_set():
             count += 1
             try:
+                if len(self.peers) < self.world:
+                    self._learn_peers(store)
                 store.set(f"rank/{self.rank}/beat", f"{count} {self.iteration}")
                 now = time.monotonic()
                 if self.iteration != last_iteration:
@@ -146,6 +144,18 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _learn_peers(self, store) -> None:
+        """Add the hosts and pids of the ranks that have published theirs since the last beat (a rank slow to
+        start is named once it has); the dict is replaced whole, as other threads read it."""
+        new = {}
+        for r in range(self.world):
+            if r not in self.peers:
+                who = self._read(store, r, "who")
+                if who is not None:
+                    new[r] = json.loads(who)
+        if new:
+            self.peers = {**self.peers, **new}
 
     def _read(self, store, rank: int, key: str) -> Optional[str]:
         name = f"rank/{rank}/{key}"
